@@ -1,0 +1,186 @@
+"""``config.json``: the kernel's settings, plugin state and plugin settings.
+
+The file holds only what was changed from the defaults. Reads are cached by the file's
+stat; every write is atomic under a cross-process lock; a file that exists but cannot
+be parsed is reported (409) and never overwritten.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import attrs
+
+from .auth import Principal
+from .errors import LocalmError
+from .settings import FieldSpec, fields_of, setting
+from .storage import JsonFile
+
+
+@attrs.frozen
+class KernelSettings:
+    """The kernel's own settings (plugins add theirs under ``plugins.<name>``)."""
+
+    bind_host: str = setting("127.0.0.1", owner_only=True,
+                             description="Address `localm serve` binds when --host is not given. "
+                                         "Anything but loopback exposes the server: set a key first.")
+    port: int = setting(8642, min=1, max=65535,
+                        description="Port `localm serve` tries first; the next free one is used when it is busy")
+    cors_origins: list[str] = setting(factory=list, owner_only=True,
+                                      description="Extra browser origins allowed to call the server "
+                                                  "(localhost origins always are)")
+    require_auth: bool = setting(False, owner_only=True,
+                                 description="Refuse every non-public request without a key, even the attach token's "
+                                             "open-mode reach (needs a key to exist)")
+    metrics_enabled: bool = setting(False, owner_only=True,
+                                    description="Serve Prometheus metrics at GET /metrics (admin scope; "
+                                                "applies at the next start)")
+    auto_install_plugin_deps: bool = setting(False, owner_only=True,
+                                             description="Install a plugin's pip requirements when it is installed")
+    suggest_plugins: bool = setting(True, description="Let clients suggest plugins that would help")
+    log_level: str = setting("info", choices=("debug", "info", "warning", "error"),
+                             description="Server log level (applies at the next start)")
+
+
+KERNEL_FIELDS: dict[str, FieldSpec] = {f.key: f for f in fields_of(KernelSettings)}
+
+#: Plugin *state*, not settings: readable, but changed only by the owner or through their own routes.
+STATE_KEYS = {
+    "plugins_enabled": "POST /api/plugins/{name}/enable or /disable",
+    "plugins": "POST /v1/plugins/{name}/settings",
+}
+
+#: Read-only values GET /v1/config adds; PATCH ignores them so a client can send back what it read.
+READ_ONLY_EXTRAS = ("effective_mode", "effective_chat_mode", "effective_coder_mode", "effective_ctx_max",
+                    "effective_ctx_model", "instance_id", "instance_port")
+
+INSTANCE_ID = secrets.token_hex(8)
+
+
+class Config:
+    def __init__(self, data_dir: Path) -> None:
+        self.file = JsonFile(Path(data_dir) / "config.json", what="config.json", default=dict, expect=dict)
+
+    # --- reading ----------------------------------------------------------------
+    def raw(self) -> dict[str, Any]:
+        return self.file.cached()
+
+    def get(self, key: str) -> Any:
+        """A kernel setting's value (its default when unset or when the file is unreadable)."""
+        try:
+            raw = self.raw()
+        except LocalmError:
+            raw = {}
+        if key in raw:
+            return raw[key]
+        return KERNEL_FIELDS[key].default
+
+    def enabled_overrides(self) -> dict[str, bool]:
+        try:
+            value = self.raw().get("plugins_enabled", {})
+        except LocalmError:
+            return {}
+        return {k: v for k, v in value.items() if isinstance(v, bool)} if isinstance(value, dict) else {}
+
+    def plugin_block(self, name: str) -> dict[str, Any]:
+        try:
+            plugins = self.raw().get("plugins", {})
+        except LocalmError:
+            return {}
+        block = plugins.get(name, {}) if isinstance(plugins, dict) else {}
+        return block if isinstance(block, dict) else {}
+
+    def view(self, principal: Principal, *, port: int | None) -> dict[str, Any]:
+        """The whole config as GET /v1/config shows it to this caller."""
+        raw = self.raw()
+        out: dict[str, Any] = {}
+        for key, spec in KERNEL_FIELDS.items():
+            if spec.owner_only and not principal.is_owner:
+                continue
+            out[key] = raw.get(key, spec.default)
+        out["plugins_enabled"] = raw.get("plugins_enabled", {})
+        out["plugins"] = raw.get("plugins", {})
+        out["instance_id"] = INSTANCE_ID
+        out["instance_port"] = port
+        return out
+
+    # --- writing ----------------------------------------------------------------
+    def patch(self, changes: Mapping[str, Any], principal: Principal,
+              on_state: Callable[[str, Any], Any] | None = None) -> None:
+        """Validate every change, then write them all at once (or nothing)."""
+        updates: dict[str, Any] = {}
+        for key, value in changes.items():
+            if key in READ_ONLY_EXTRAS:
+                continue
+            if key in STATE_KEYS:
+                if not principal.is_owner:
+                    raise LocalmError(403, f"{key} is plugin state; use {STATE_KEYS[key]} to change it")
+                updates[key] = _check_state(key, value)
+                continue
+            spec = KERNEL_FIELDS.get(key)
+            if spec is None:
+                raise LocalmError(400, f"Unknown config key: {key}")
+            if spec.owner_only and not principal.is_owner:
+                raise LocalmError(403, f"{key} is owner-only: it needs an admin key")
+            updates[key] = None if value is None else spec.check(value)
+        if not updates:
+            self.raw()  # still report an unreadable file
+            return
+
+        def apply(current: dict[str, Any]) -> dict[str, Any]:
+            for key, value in updates.items():
+                if value is None:
+                    current.pop(key, None)
+                else:
+                    current[key] = value
+            return current
+        self.file.update(apply)
+
+    def set_plugin_enabled(self, name: str, enabled: bool) -> None:
+        def apply(current: dict[str, Any]) -> dict[str, Any]:
+            state = current.get("plugins_enabled")
+            state = dict(state) if isinstance(state, dict) else {}
+            state[name] = enabled
+            current["plugins_enabled"] = state
+            return current
+        self.file.update(apply)
+
+    def forget_plugin(self, name: str, *, settings: bool) -> None:
+        def apply(current: dict[str, Any]) -> dict[str, Any]:
+            for key in ("plugins_enabled", *(("plugins",) if settings else ())):
+                block = current.get(key)
+                if isinstance(block, dict):
+                    block.pop(name, None)
+            return current
+        self.file.update(apply)
+
+    def set_plugin_values(self, name: str, updates: Mapping[str, Any]) -> None:
+        """Merge validated values into ``plugins.<name>``; None clears an override."""
+        def apply(current: dict[str, Any]) -> dict[str, Any]:
+            plugins = current.get("plugins")
+            plugins = dict(plugins) if isinstance(plugins, dict) else {}
+            block = plugins.get(name)
+            block = dict(block) if isinstance(block, dict) else {}
+            for key, value in updates.items():
+                if value is None:
+                    block.pop(key, None)
+                else:
+                    block[key] = value
+            if block:
+                plugins[name] = block
+            else:
+                plugins.pop(name, None)
+            current["plugins"] = plugins
+            return current
+        self.file.update(apply)
+
+
+def _check_state(key: str, value: Any) -> Any:
+    if key == "plugins_enabled":
+        if not isinstance(value, dict) or not all(isinstance(v, bool) for v in value.values()):
+            raise LocalmError(400, "Invalid value for plugins_enabled: expected an object of plugin name → boolean")
+    elif not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise LocalmError(400, "Invalid value for plugins: expected an object of plugin name → settings object")
+    return value

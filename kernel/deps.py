@@ -1,0 +1,57 @@
+"""A plugin's pip requirements: which are missing, and installing them with pip.
+
+Checks use importlib.metadata and packaging, so they see exactly what the server's
+interpreter would import. Installs run ``python -m pip install`` in a subprocess and
+stream its output line by line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata as md
+import os
+import sys
+from typing import AsyncIterator, Iterable
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+
+def missing(requirements: Iterable[str]) -> list[str]:
+    """The requirements not satisfied by what this interpreter has installed."""
+    out = []
+    for text in requirements:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            version = md.version(canonicalize_name(req.name))
+        except md.PackageNotFoundError:
+            out.append(text)
+            continue
+        if req.specifier and not req.specifier.contains(version, prereleases=True):
+            out.append(text)
+    return out
+
+
+async def pip_install(requirements: list[str]) -> AsyncIterator[str]:
+    """Run pip and yield its output lines; raise RuntimeError when pip fails."""
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+           *requirements]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PIP_NO_INPUT="1")
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT, env=env)
+    assert proc.stdout is not None
+    try:
+        async for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            if line:
+                yield line
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        raise
+    code = await proc.wait()
+    if code != 0:
+        raise RuntimeError(f"pip exited with status {code}")

@@ -1,0 +1,106 @@
+"""The services a plugin reaches through the host, never by importing the kernel.
+
+Hooks receive this object as ``host``. Plugins share work through named services:
+one plugin ``provide``s a service (the chat pipeline, the embedder), another asks for it
+with ``service`` and names the provider under ``requires`` in its plugin.toml.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from .errors import LocalmError
+from .settings import FieldSpec
+
+if TYPE_CHECKING:
+    from .runtime import Kernel
+
+
+class Host:
+    def __init__(self, kernel: "Kernel") -> None:
+        self._kernel = kernel
+        self._services: dict[str, tuple[str, Any]] = {}
+        self._renderers: dict[str, str] = {}
+
+    @property
+    def data_dir(self) -> Path:
+        return self._kernel.data_dir
+
+    @property
+    def version(self) -> str:
+        from . import __version__
+        return __version__
+
+    @property
+    def jobs(self) -> Any:
+        return self._kernel.jobs
+
+    @property
+    def metrics(self) -> Any:
+        """The metrics collector, or None when metrics_enabled is off."""
+        return self._kernel.metrics
+
+    @property
+    def startup_model(self) -> str | None:
+        """The MODEL argument ``localm serve`` was started with, if any."""
+        return self._kernel.startup_model
+
+    def setting(self, key: str) -> Any:
+        """A kernel setting's current value (e.g. ``cors_origins``)."""
+        return self._kernel.config.get(key)
+
+    def settings(self, plugin: str) -> dict[str, Any]:
+        """A plugin's resolved settings."""
+        return self._kernel.plugins.resolved_settings(plugin)
+
+    def add_settings(self, plugin: str, settings: type | Iterable[FieldSpec]) -> None:
+        """Add settings to a plugin at run time (served by GET/POST /v1/plugins/settings)."""
+        self._kernel.plugins.add_settings(plugin, settings)
+
+    def start_job(self, fn: Callable[..., Any], *, kind: str, title: str, owner: str = "owner",
+                  plugin: str | None = None) -> Any:
+        return self._kernel.jobs.start(fn, kind=kind, title=title, owner=owner, plugin=plugin)
+
+    # --- services between plugins ---------------------------------------------------
+    def provide(self, name: str, service: Any, *, plugin: str) -> None:
+        """Offer ``service`` under ``name``; it is withdrawn when ``plugin`` stops."""
+        owner = self._services.get(name)
+        if owner is not None and owner[0] != plugin:
+            raise LocalmError(500, f"Service {name} is already provided by {owner[0]}")
+        self._services[name] = (plugin, service)
+
+    def service(self, name: str) -> Any:
+        """A service another plugin provides; 503 when no active plugin provides it."""
+        found = self._services.get(name)
+        if found is None:
+            raise LocalmError(503, f"Service {name} is not available: the plugin that provides it is not active",
+                              code="service_unavailable")
+        return found[1]
+
+    def has_service(self, name: str) -> bool:
+        return name in self._services
+
+    def register_error_renderer(self, family: str, renderer: Callable[..., Any], *, plugin: str) -> None:
+        """Shape errors of routes whose ``error_family`` is ``family`` (OpenAI, Ollama, Anthropic)."""
+        self._kernel.error_renderers[family] = renderer
+        self._renderers[family] = plugin
+
+    def register_engine(self, plugin: str, name: str, factory: Any) -> None:
+        owner = self._kernel.engines.get(name)
+        if owner is not None and owner[0] != plugin:
+            raise LocalmError(500, f"Engine {name} is already registered by {owner[0]}")
+        self._kernel.engines[name] = (plugin, factory)
+
+    def engines(self) -> dict[str, Any]:
+        """Engine factories active plugins registered, by engine name."""
+        return {name: factory for name, (_, factory) in self._kernel.engines.items()}
+
+    def forget_provider(self, plugin: str) -> None:
+        for name in [n for n, (p, _) in self._services.items() if p == plugin]:
+            del self._services[name]
+        for family in [f for f, p in self._renderers.items() if p == plugin]:
+            self._kernel.error_renderers.pop(family, None)
+            del self._renderers[family]
+        for name in [n for n, (p, _) in self._kernel.engines.items() if p == plugin]:
+            del self._kernel.engines[name]

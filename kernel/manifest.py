@@ -1,0 +1,192 @@
+"""``plugin.toml``: the manifest that names a plugin and says what it needs.
+
+Parsed into :class:`Manifest` with cattrs. A malformed manifest raises
+:class:`ManifestError` naming the file and the field, never a traceback.
+
+```toml
+id = "hello"                 # legal id: lowercase letter, then lowercase letters, digits, _
+version = "0.1.0"
+description = "Says hello."
+entry = "hello"              # module (or package) inside the plugin folder
+scopes = ["hello"]           # scopes this plugin introduces
+requires = []                # plugins that must be active first
+requirements = ["humanize>=4"]   # pip requirements (installed by `localm plugin install-deps`)
+protected = false            # true: cannot be disabled or uninstalled
+ships_disabled = false       # true: installed but off until enabled
+commands = ["hello"]         # CLI command names it adds (`localm hello ...`)
+label = "Hello"
+group = "Examples"
+icon = "hand-wave"
+```
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import InvalidVersion, Version
+
+PLUGIN_ID = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+MODULE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+SCOPE = re.compile(r"^[a-z][a-z0-9_]*(:[a-z][a-z0-9_]*)?$")
+
+
+class ManifestError(Exception):
+    """A plugin.toml that cannot be used; the message names the file and the field."""
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def legal_id(name: str) -> bool:
+    return bool(PLUGIN_ID.match(name or ""))
+
+
+def _check_id(inst: Any, att: attrs.Attribute, value: str) -> None:
+    if not legal_id(value):
+        raise _FieldError(att.name, "must start with a lowercase letter and hold only lowercase letters, digits and _ "
+                         "(at most 40 characters)")
+
+
+def _check_version(inst: Any, att: attrs.Attribute, value: str) -> None:
+    try:
+        Version(value)
+    except InvalidVersion as exc:
+        raise _FieldError(att.name, f"{value!r} is not a version (PEP 440, e.g. 0.1.0)") from exc
+
+
+def _check_entry(inst: Any, att: attrs.Attribute, value: str) -> None:
+    if not MODULE_PATH.match(value):
+        raise _FieldError(att.name, f"{value!r} is not a module path inside the plugin folder")
+
+
+def _check_ids(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for v in value:
+        if not legal_id(v):
+            raise _FieldError(att.name, f"{v!r} is not a legal plugin id")
+
+
+def _check_scopes(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for v in value:
+        if not SCOPE.match(v):
+            raise _FieldError(att.name, f"{v!r} is not a scope name (e.g. 'rag' or 'rag:write')")
+
+
+def _check_requirements(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> None:
+    for v in value:
+        try:
+            Requirement(v)
+        except InvalidRequirement as exc:
+            raise _FieldError(att.name, f"{v!r} is not a pip requirement: {str(exc).splitlines()[0]}") from exc
+
+
+@attrs.frozen
+class Manifest:
+    id: str = attrs.field(validator=_check_id)
+    version: str = attrs.field(validator=_check_version)
+    entry: str = attrs.field(validator=_check_entry)
+    description: str = ""
+    scopes: tuple[str, ...] = attrs.field(default=(), validator=_check_scopes)
+    requires: tuple[str, ...] = attrs.field(default=(), validator=_check_ids)
+    requirements: tuple[str, ...] = attrs.field(default=(), validator=_check_requirements)
+    requires_extras: tuple[str, ...] = ()
+    protected: bool = False
+    ships_disabled: bool = False
+    commands: tuple[str, ...] = ()
+    label: str | None = None
+    group: str | None = None
+    icon: str | None = None
+    tab: str | None = None
+    client_entry: str | None = None
+    tool_exports: tuple[str, ...] = ()
+
+    @property
+    def scope(self) -> str | None:
+        """The plugin's primary scope: the default guard on its routes."""
+        return self.scopes[0] if self.scopes else None
+
+
+def _converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+
+    def _str(v: Any, _: Any) -> str:
+        if not isinstance(v, str):
+            raise ValueError("expected a string")
+        return v
+
+    def _bool(v: Any, _: Any) -> bool:
+        if not isinstance(v, bool):
+            raise ValueError("expected true or false")
+        return v
+
+    def _strs(v: Any, _: Any) -> tuple[str, ...]:
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ValueError("expected a list of strings")
+        return tuple(v)
+
+    conv.register_structure_hook(str, _str)
+    conv.register_structure_hook(bool, _bool)
+    conv.register_structure_hook_func(lambda t: t == tuple[str, ...], _strs)
+    return conv
+
+
+_conv = _converter()
+
+
+def _first_error(exc: BaseException) -> tuple[str, str]:
+    """(field, message) of the first leaf error in a cattrs error tree."""
+    if isinstance(exc, cattrs.ClassValidationError):
+        for sub in exc.exceptions:
+            for note in getattr(sub, "__notes__", []):
+                name = getattr(note, "name", None)
+                if name:
+                    return name, str(sub)
+            return _first_error(sub)
+    if isinstance(exc, ExceptionGroup):
+        return _first_error(exc.exceptions[0])
+    if isinstance(exc, _FieldError):
+        return exc.field, exc.message
+    return "", str(exc)
+
+
+
+
+def parse_manifest(path: Path) -> Manifest:
+    """Parse ``plugin.toml`` at ``path``; raise ManifestError naming the file and field."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ManifestError(f"{path}: no plugin.toml") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: cannot be read ({exc.__class__.__name__})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{path}: not valid TOML: {exc}") from exc
+    for required in ("id", "version", "entry"):
+        if required not in data:
+            raise ManifestError(f"{path}: field '{required}' is required")
+    try:
+        return _conv.structure(data, Manifest)
+    except cattrs.ForbiddenExtraKeysError as exc:
+        raise ManifestError(f"{path}: unknown field(s) {', '.join(sorted(map(repr, exc.extra_fields)))}") from exc
+    except cattrs.ClassValidationError as exc:
+        extra = [e for e in exc.exceptions if isinstance(e, cattrs.ForbiddenExtraKeysError)]
+        if extra:
+            names = ", ".join(sorted(map(repr, extra[0].extra_fields)))
+            raise ManifestError(f"{path}: unknown field(s) {names}") from exc
+        field, msg = _first_error(exc)
+        raise ManifestError(f"{path}: field '{field}': {msg}" if field else f"{path}: {msg}") from exc
+    except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        field, msg = _first_error(exc)
+        where = f"field '{field}'" if field else "manifest"
+        raise ManifestError(f"{path}: {where}: {msg}") from exc

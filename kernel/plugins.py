@@ -1,0 +1,701 @@
+"""The plugin host: discovery, state, loading, activation and the catalog operations.
+
+Plugins come from three places: the builtin ``plugins/`` folder shipped with localm,
+the installed set in ``<data dir>/plugins/``, and the ``plugin-store/`` catalog that
+``localm plugin install NAME`` copies from (plus any folders in ``LOCALM_PLUGIN_STORE``).
+
+A plugin's code is imported under ``localm_plugins.<id>`` from its folder, so plugins
+never collide with each other or with installed packages, and relative imports work
+inside a plugin. A plugin that fails to import, or raises in a hook, is reported with
+its error and everything else keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+import shutil
+import sys
+import traceback
+import types
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import attrs
+import pluggy
+
+from . import deps, hookspecs
+from .config import Config
+from .errors import LocalmError
+from .manifest import Manifest, ManifestError, legal_id, parse_manifest
+from .settings import FieldSpec, fields_of
+
+log = logging.getLogger("localm.plugins")
+
+PACKAGE_ROOT = "localm_plugins"
+
+
+def _package_dir(module: str) -> Path | None:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        if os.path.isdir(loc):
+            return Path(loc)
+    return None
+
+
+def builtin_root() -> Path | None:
+    return _package_dir("localm.plugins")
+
+
+def store_roots() -> list[Path]:
+    roots = [p for p in [_package_dir("localm.plugin_store")] if p is not None]
+    for extra in os.environ.get("LOCALM_PLUGIN_STORE", "").split(os.pathsep):
+        if extra.strip():
+            roots.append(Path(extra).expanduser())
+    return roots
+
+
+def fingerprint(folder: Path) -> str:
+    """A digest of a plugin folder's files (names, sizes, contents), ignoring caches."""
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
+        h.update(str(path.relative_to(folder)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{exc.__class__.__name__}: {exc}".strip()
+    return text.rstrip(":")
+
+
+@attrs.define(eq=False)
+class Plugin:
+    """One plugin the host knows about, wherever it lives, and its run state."""
+
+    name: str
+    folder: Path
+    manifest: Manifest | None
+    builtin: bool = False
+    installed: bool = False
+    store_folder: Path | None = None
+    manifest_error: str | None = None
+    module: Any = None
+    loaded: bool = False
+    active: bool = False
+    error: str | None = None
+    missing_deps: list[str] = attrs.Factory(list)
+    missing_requires: list[str] = attrs.Factory(list)
+    declared_fields: dict[str, FieldSpec] = attrs.Factory(dict)
+    added_fields: dict[str, FieldSpec] = attrs.Factory(dict)
+    scope_descriptions: dict[str, str] = attrs.Factory(dict)
+    loaded_fingerprint: str | None = None
+    excluded: bool = False
+
+    @property
+    def protected(self) -> bool:
+        return bool(self.manifest and self.manifest.protected)
+
+    @property
+    def fields(self) -> dict[str, FieldSpec]:
+        return {**self.declared_fields, **self.added_fields}
+
+
+class PluginContext:
+    """What a hook receives as ``plugin``: this plugin's name, folders, settings and jobs."""
+
+    def __init__(self, host: "PluginHost", plugin: Plugin) -> None:
+        self._host = host
+        self._plugin = plugin
+        self.name = plugin.name
+        self.log = logging.getLogger(f"localm.plugin.{plugin.name}")
+
+    @property
+    def manifest(self) -> Manifest | None:
+        return self._plugin.manifest
+
+    @property
+    def folder(self) -> Path:
+        return self._plugin.folder
+
+    @property
+    def data_dir(self) -> Path:
+        """A folder this plugin owns for its data (created on first use)."""
+        path = self._host.plugin_data_dir(self.name)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """This plugin's settings, resolved (stored value or declared default)."""
+        return self._host.resolved_settings(self.name)
+
+    def add_settings(self, settings: type | Iterable[FieldSpec]) -> None:
+        """Add settings at run time (the Open WebUI Valves seam)."""
+        self._host.add_settings(self.name, settings)
+
+    def start_job(self, fn: Callable[..., Any], *, kind: str, title: str, owner: str = "owner") -> Any:
+        return self._host.services.jobs.start(fn, kind=kind, title=title, owner=owner, plugin=self.name)
+
+
+class PluginHost:
+    def __init__(self, *, data_dir: Path, config: Config, services: Any,
+                 builtin_dirs: list[Path] | None = None, store_dirs: list[Path] | None = None,
+                 only: Iterable[str] | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.config = config
+        self.services = services
+        root = builtin_root()
+        self.builtin_dirs = builtin_dirs if builtin_dirs is not None else ([root] if root else [])
+        self.store_dirs = store_dirs if store_dirs is not None else store_roots()
+        self.only = set(only) if only is not None else None
+        self.pm = pluggy.PluginManager("localm")
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: dict[str, Plugin] = {}
+        self.folder_errors: dict[str, str] = {}
+        self.order: list[str] = []
+        self._lock = asyncio.Lock()
+        self._contexts: dict[str, PluginContext] = {}
+        self.on_change: Callable[[], None] = lambda: None
+
+    # --- paths -----------------------------------------------------------------
+    @property
+    def installed_dir(self) -> Path:
+        return self.data_dir / "plugins"
+
+    def plugin_data_dir(self, name: str) -> Path:
+        return self.data_dir / "plugin-data" / name
+
+    # --- discovery ---------------------------------------------------------------
+    def _scan(self, root: Path) -> Iterable[tuple[str, Path, Manifest | None, str | None]]:
+        if not root.is_dir():
+            return
+        for folder in sorted(root.iterdir()):
+            if not folder.is_dir() or folder.name.startswith((".", "_")):
+                continue
+            if not (folder / "plugin.toml").is_file():
+                continue
+            try:
+                manifest = parse_manifest(folder / "plugin.toml")
+            except ManifestError as exc:
+                yield folder.name, folder, None, str(exc)
+                continue
+            if manifest.id != folder.name:
+                yield folder.name, folder, None, (f"{folder / 'plugin.toml'}: field 'id': {manifest.id!r} does not "
+                                                  f"match its folder name {folder.name!r}")
+                continue
+            yield manifest.id, folder, manifest, None
+
+    def discover(self) -> None:
+        """Re-read every plugin folder; keeps the run state of plugins already known."""
+        found: dict[str, Plugin] = {}
+        self.folder_errors = {}
+
+        def take(name: str, folder: Path, manifest: Manifest | None, error: str | None, **flags: Any) -> Plugin | None:
+            if not legal_id(name):
+                self.folder_errors[name] = error or f"{folder}: folder name is not a legal plugin id"
+                return None
+            old = self.plugins.get(name)
+            if old is not None and old.folder == folder and old.loaded:
+                plugin = old
+                plugin.manifest = manifest or old.manifest
+                plugin.manifest_error = error
+            else:
+                plugin = Plugin(name=name, folder=folder, manifest=manifest, manifest_error=error)
+            plugin.builtin = flags.get("builtin", False)
+            plugin.installed = flags.get("installed", False)
+            plugin.store_folder = None
+            found[name] = plugin
+            return plugin
+
+        for root in self.builtin_dirs:
+            for name, folder, manifest, error in self._scan(root):
+                if name not in found:
+                    take(name, folder, manifest, error, builtin=True, installed=True)
+        for name, folder, manifest, error in self._scan(self.installed_dir):
+            if name in found:
+                self.folder_errors[name] = f"{folder}: shadowed by the builtin plugin of the same name"
+                continue
+            take(name, folder, manifest, error, installed=True)
+        for root in self.store_dirs:
+            for name, folder, manifest, error in self._scan(root):
+                if name in found:
+                    if found[name].store_folder is None and error is None:
+                        found[name].store_folder = folder
+                    continue
+                plugin = take(name, folder, manifest, error)
+                if plugin is not None and error is None:
+                    plugin.store_folder = folder
+        # plugins that vanished from disk while loaded stay known until deactivated
+        for name, old in self.plugins.items():
+            if name not in found and old.loaded:
+                old.installed = False
+                found[name] = old
+        self.plugins = found
+
+    # --- state -------------------------------------------------------------------
+    def enabled(self, plugin: Plugin) -> bool:
+        if plugin.protected:
+            return True
+        override = self.config.enabled_overrides().get(plugin.name)
+        if override is not None:
+            return override
+        return not (plugin.manifest and plugin.manifest.ships_disabled)
+
+    def _wanted(self, plugin: Plugin) -> bool:
+        plugin.excluded = self.only is not None and plugin.name not in self.only and not plugin.protected
+        return (plugin.installed and plugin.manifest is not None and plugin.manifest_error is None
+                and self.enabled(plugin) and not plugin.excluded)
+
+    def _ordered(self) -> list[Plugin]:
+        """Installed plugins, each after the plugins it requires (cycles are reported)."""
+        out: list[Plugin] = []
+        state: dict[str, int] = {}
+
+        def visit(p: Plugin, chain: tuple[str, ...]) -> None:
+            if state.get(p.name) == 2:
+                return
+            if state.get(p.name) == 1:
+                p.error = "requires cycle: " + " -> ".join((*chain, p.name))
+                return
+            state[p.name] = 1
+            for req in (p.manifest.requires if p.manifest else ()):
+                dep = self.plugins.get(req)
+                if dep is not None:
+                    visit(dep, (*chain, p.name))
+            state[p.name] = 2
+            out.append(p)
+
+        for p in sorted(self.plugins.values(), key=lambda p: p.name):
+            visit(p, ())
+        return out
+
+    async def sync(self) -> None:
+        """Make the active set match what is installed, enabled and satisfiable."""
+        async with self._lock:
+            changed = await self._sync()
+        if changed:
+            self.on_change()
+
+    async def _sync(self) -> bool:
+        changed = False
+        ordered = self._ordered()
+        # stop, in reverse order, what should no longer run
+        for p in reversed(ordered):
+            if p.loaded and (not self._wanted(p) or self._requires_missing(p)):
+                await self._deactivate(p)
+                changed = True
+        for p in ordered:
+            if not self._wanted(p):
+                p.missing_requires = []
+                p.missing_deps = deps.missing(p.manifest.requirements) if p.manifest else []
+                continue
+            p.missing_requires = self._requires_missing(p)
+            p.missing_deps = deps.missing(p.manifest.requirements)
+            if p.loaded or p.missing_requires or p.missing_deps:
+                continue
+            if p.error and p.error.startswith("requires cycle"):
+                continue
+            await self._activate(p)
+            changed = True
+        return changed
+
+    def _requires_missing(self, p: Plugin) -> list[str]:
+        if p.manifest is None:
+            return []
+        return [r for r in p.manifest.requires if not (r in self.plugins and self.plugins[r].active)]
+
+    # --- loading -----------------------------------------------------------------
+    def _import(self, p: Plugin) -> Any:
+        assert p.manifest is not None
+        if PACKAGE_ROOT not in sys.modules:
+            root = types.ModuleType(PACKAGE_ROOT)
+            root.__path__ = []  # type: ignore[attr-defined]
+            sys.modules[PACKAGE_ROOT] = root
+        pkg_name = f"{PACKAGE_ROOT}.{p.name}"
+        self._forget_modules(p.name)
+        importlib.invalidate_caches()
+        init = p.folder / "__init__.py"
+        if init.is_file():
+            spec = importlib.util.spec_from_file_location(pkg_name, init, submodule_search_locations=[str(p.folder)])
+            assert spec is not None and spec.loader is not None
+            pkg = importlib.util.module_from_spec(spec)
+            sys.modules[pkg_name] = pkg
+            spec.loader.exec_module(pkg)
+        else:
+            pkg = types.ModuleType(pkg_name)
+            pkg.__path__ = [str(p.folder)]  # type: ignore[attr-defined]
+            pkg.__package__ = pkg_name
+            sys.modules[pkg_name] = pkg
+        return importlib.import_module(f"{pkg_name}.{p.manifest.entry}")
+
+    @staticmethod
+    def _forget_modules(name: str) -> None:
+        prefix = f"{PACKAGE_ROOT}.{name}"
+        for mod in [m for m in sys.modules if m == prefix or m.startswith(prefix + ".")]:
+            del sys.modules[mod]
+
+    def context(self, p: Plugin) -> PluginContext:
+        ctx = self._contexts.get(p.name)
+        if ctx is None or ctx._plugin is not p:
+            ctx = self._contexts[p.name] = PluginContext(self, p)
+        return ctx
+
+    def impls(self, hook: str, p: Plugin) -> list[Any]:
+        caller = getattr(self.pm.hook, hook)
+        return [impl for impl in caller.get_hookimpls() if impl.plugin_name == p.name]
+
+    async def call(self, hook: str, p: Plugin, **kwargs: Any) -> list[Any]:
+        """Call one plugin's implementation of a hook; await it when it is a coroutine."""
+        kwargs.setdefault("plugin", self.context(p))
+        kwargs.setdefault("host", self.services)
+        results = []
+        for impl in self.impls(hook, p):
+            value = impl.function(**{arg: kwargs[arg] for arg in impl.argnames if arg in kwargs})
+            if inspect.isawaitable(value):
+                value = await value
+            results.append(value)
+        return results
+
+    def call_sync(self, hook: str, p: Plugin, **kwargs: Any) -> list[Any]:
+        kwargs.setdefault("plugin", self.context(p))
+        kwargs.setdefault("host", self.services)
+        return [impl.function(**{arg: kwargs[arg] for arg in impl.argnames if arg in kwargs})
+                for impl in self.impls(hook, p)]
+
+    async def _activate(self, p: Plugin) -> None:
+        p.error = None
+        try:
+            module = self._import(p)
+        except (Exception, SystemExit) as exc:  # a broken plugin never takes the server down
+            self._forget_modules(p.name)
+            p.error = _error_text(exc)
+            log.error("plugin %s failed to import:\n%s", p.name, traceback.format_exc())
+            return
+        p.module = module
+        try:
+            self.pm.register(module, name=p.name)
+        except Exception as exc:
+            self._forget_modules(p.name)
+            p.error = _error_text(exc)
+            log.error("plugin %s failed to register: %s", p.name, p.error)
+            return
+        p.loaded = True
+        p.loaded_fingerprint = fingerprint(p.folder)
+        try:
+            p.declared_fields = {}
+            p.scope_descriptions = {}
+            await self.call("register_settings", p, register=lambda cls: self._declare(p, cls))
+            await self.call("register_scopes", p,
+                            register=lambda name, description="": p.scope_descriptions.__setitem__(name, description))
+            await self.call("register_engines", p,
+                            register=lambda name, factory: self.services.register_engine(p.name, name, factory))
+            await self.call("startup", p)
+        except Exception as exc:
+            p.error = _error_text(exc)
+            log.error("plugin %s failed to start:\n%s", p.name, traceback.format_exc())
+            await self._deactivate(p, keep_error=True)
+            return
+        p.active = True
+        log.info("plugin %s %s active", p.name, p.manifest.version if p.manifest else "")
+
+    def _declare(self, p: Plugin, cls: type) -> None:
+        for spec in fields_of(cls):
+            p.declared_fields[spec.key] = spec
+
+    async def _deactivate(self, p: Plugin, *, keep_error: bool = False) -> None:
+        if p.active:
+            try:
+                await self.call("shutdown", p)
+            except Exception:
+                log.error("plugin %s failed to shut down cleanly:\n%s", p.name, traceback.format_exc())
+        p.active = False
+        if p.loaded and self.pm.has_plugin(p.name):
+            self.pm.unregister(name=p.name)
+        self.services.forget_provider(p.name)
+        p.loaded = False
+        p.module = None
+        p.added_fields = {}
+        p.loaded_fingerprint = None
+        self._forget_modules(p.name)
+        if not keep_error:
+            p.error = None
+
+    async def fail(self, name: str, error: str) -> None:
+        """Mark an active plugin failed (e.g. its routes could not be mounted) and stop it."""
+        p = self.plugins.get(name)
+        if p is None:
+            return
+        await self._deactivate(p)
+        p.error = error
+
+    async def stop_all(self) -> None:
+        async with self._lock:
+            for p in reversed(self._ordered()):
+                if p.loaded:
+                    await self._deactivate(p)
+
+    # --- settings ----------------------------------------------------------------
+    def add_settings(self, name: str, settings: type | Iterable[FieldSpec]) -> None:
+        p = self.plugins[name]
+        specs = fields_of(settings) if isinstance(settings, type) else list(settings)
+        for spec in specs:
+            p.added_fields[spec.key] = spec
+
+    def resolved_settings(self, name: str) -> dict[str, Any]:
+        p = self.plugins.get(name)
+        if p is None:
+            return {}
+        block = self.config.plugin_block(name)
+        out = {}
+        for key, spec in p.fields.items():
+            value = spec.default
+            if key in block:
+                try:
+                    value = spec.check(block[key])
+                except LocalmError:
+                    log.warning("plugin %s: stored setting %s is invalid; using its default", name, key)
+            out[key] = value
+        return out
+
+    # --- reporting -----------------------------------------------------------------
+    @property
+    def errors(self) -> dict[str, str]:
+        out = dict(self.folder_errors)
+        for p in self.plugins.values():
+            if p.manifest_error:
+                out[p.name] = p.manifest_error
+            elif p.error:
+                out[p.name] = p.error
+        return out
+
+    def describe(self, p: Plugin) -> dict[str, Any]:
+        m = p.manifest
+        return {
+            "name": p.name,
+            "version": m.version if m else None,
+            "description": m.description if m else "",
+            "scope": m.scope if m else None,
+            "scopes": list(m.scopes) if m else [],
+            "builtin": p.builtin,
+            "protected": p.protected,
+            "tab": m.tab if m else None,
+            "label": (m.label if m and m.label else p.name),
+            "icon": m.icon if m else None,
+            "group": m.group if m else None,
+            "client_entry": m.client_entry if m else None,
+            "assets_base": None,
+            "requires": list(m.requires) if m else [],
+            "requires_extras": list(m.requires_extras) if m else [],
+            "requirements": list(m.requirements) if m else [],
+            "missing_deps": p.missing_deps if m else [],
+            "missing_requires": p.missing_requires,
+            "tool_exports": list(m.tool_exports) if m else [],
+            "commands": list(m.commands) if m else [],
+            "extra": {"excluded_by_plugins_option": p.excluded} if p.excluded else {},
+            "error": p.manifest_error or p.error,
+            "installed": p.installed,
+            "enabled": p.installed and self.enabled(p),
+            "active": p.active,
+            "available": p.store_folder is not None or p.installed,
+            "loaded": p.loaded,
+        }
+
+    def listing(self) -> list[dict[str, Any]]:
+        for p in self.plugins.values():
+            if p.manifest is not None and not p.loaded:
+                p.missing_deps = deps.missing(p.manifest.requirements)
+        return [self.describe(p) for p in sorted(self.plugins.values(), key=lambda p: p.name)]
+
+    def known_scopes(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for p in self.plugins.values():
+            if p.manifest is None:
+                continue
+            for s in p.manifest.scopes:
+                out[s] = p.scope_descriptions.get(s) or f"Routes of the {p.name} plugin"
+        return out
+
+    # --- catalog operations (work with or without a running server) ----------------
+    def get(self, name: str) -> Plugin:
+        if not legal_id(name) or name not in self.plugins:
+            raise LocalmError(404, f"Unknown plugin: {name}")
+        return self.plugins[name]
+
+    def install_files(self, name: str) -> Plugin:
+        """Copy a catalog plugin into the installed set and enable it."""
+        p = self.get(name)
+        if p.installed:
+            self.config.set_plugin_enabled(name, True)
+            return p
+        if p.store_folder is None or p.manifest is None:
+            raise LocalmError(400, f"Plugin {name} cannot be installed: {p.manifest_error or 'not in the catalog'}")
+        self._copy_in(p.store_folder, name)
+        self.config.set_plugin_enabled(name, True)
+        self.discover()
+        return self.plugins[name]
+
+    def _copy_in(self, source: Path, name: str) -> None:
+        self.installed_dir.mkdir(parents=True, exist_ok=True)
+        target = self.installed_dir / name
+        staging = self.installed_dir / f".{name}.installing"
+        old = self.installed_dir / f".{name}.replaced"
+        for leftover in (staging, old):
+            shutil.rmtree(leftover, ignore_errors=True)
+        try:
+            shutil.copytree(source, staging, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
+            if target.exists():
+                os.replace(target, old)
+            os.replace(staging, target)
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            if old.exists() and not target.exists():
+                os.replace(old, target)
+            raise LocalmError(400, f"Could not install {name}: {exc.strerror or exc}") from exc
+        shutil.rmtree(old, ignore_errors=True)
+
+    def check_uninstall(self, name: str) -> Plugin:
+        p = self.get(name)
+        if p.protected:
+            raise LocalmError(409, f"{name} is protected and cannot be uninstalled")
+        if p.builtin:
+            raise LocalmError(400, f"{name} ships with localm and cannot be uninstalled; disable it instead")
+        if not p.installed:
+            raise LocalmError(400, f"{name} is not installed")
+        return p
+
+    def remove_files(self, name: str, *, delete_data: bool) -> None:
+        """Remove an installed plugin's folder (it must already be inactive)."""
+        target = self.installed_dir / name
+        trash = self.installed_dir / f".{name}.removing"
+        shutil.rmtree(trash, ignore_errors=True)
+        try:
+            if target.exists():
+                os.replace(target, trash)
+        except OSError as exc:
+            raise LocalmError(400, f"Could not uninstall {name}: {exc.strerror or exc}") from exc
+        self.config.forget_plugin(name, settings=delete_data)
+        leftovers = []
+        shutil.rmtree(trash, ignore_errors=True)
+        if trash.exists():
+            leftovers.append(str(trash))
+        if delete_data:
+            shutil.rmtree(self.plugin_data_dir(name), ignore_errors=True)
+            if self.plugin_data_dir(name).exists():
+                leftovers.append(str(self.plugin_data_dir(name)))
+        self.discover()
+        if leftovers:
+            raise LocalmError(500, f"{name} was disabled and unloaded, but some of its files could not be removed")
+
+    def check_external(self, source: str, *, force: bool) -> Manifest:
+        if not source:
+            raise LocalmError(400, "source is required: a local folder holding a plugin.toml")
+        folder = Path(source).expanduser()
+        if not folder.is_dir():
+            raise LocalmError(400, f"source is not a folder: {folder.name or source}")
+        if not (folder / "plugin.toml").is_file():
+            raise LocalmError(400, f"source has no plugin.toml: {folder.name}")
+        try:
+            manifest = parse_manifest(folder / "plugin.toml")
+        except ManifestError as exc:
+            raise LocalmError(400, f"Plugin rejected: {exc}") from exc
+        existing = self.plugins.get(manifest.id)
+        if existing is not None and existing.builtin:
+            raise LocalmError(400, f"Plugin rejected: {manifest.id} is the name of a builtin plugin")
+        if existing is not None and existing.installed and not force:
+            raise LocalmError(400, f"Plugin {manifest.id} is already installed; pass force to replace it")
+        return manifest
+
+    def install_external_files(self, source: str, *, force: bool) -> Manifest:
+        manifest = self.check_external(source, force=force)
+        self._copy_in(Path(source).expanduser(), manifest.id)
+        self.config.set_plugin_enabled(manifest.id, True)
+        self.discover()
+        return manifest
+
+    # --- catalog operations on a running server ------------------------------------------
+    async def install(self, name: str) -> None:
+        self.install_files(name)
+        await self.sync()
+
+    async def uninstall(self, name: str, *, delete_data: bool) -> None:
+        p = self.check_uninstall(name)
+        async with self._lock:
+            for dep in reversed(self._ordered()):
+                if dep.loaded and (dep is p or name in (dep.manifest.requires if dep.manifest else ())):
+                    await self._deactivate(dep)
+            self.remove_files(name, delete_data=delete_data)
+            await self._sync()
+        self.on_change()
+
+    async def set_enabled(self, name: str, enabled: bool) -> dict[str, Any]:
+        if enabled:
+            p = self.get(name)
+            if not p.installed:
+                raise LocalmError(409, f"{name} is not installed; install it first")
+        else:
+            if not legal_id(name):
+                raise LocalmError(404, f"Unknown plugin: {name}")
+            p = self.plugins.get(name)  # type: ignore[assignment]
+            if p is not None and p.protected:
+                raise LocalmError(409, f"{name} is protected and cannot be disabled")
+        previous = self.config.enabled_overrides().get(name)
+        self.config.set_plugin_enabled(name, enabled)
+        await self.sync()
+        if enabled and p.error and not p.active:
+            error = p.error
+            # a refused enable changes no state
+            if previous is None:
+                self.config.forget_plugin(name, settings=False)
+            else:
+                self.config.set_plugin_enabled(name, previous)
+            p.error = error
+            raise LocalmError(400, f"Could not enable {name}: {error}")
+        return self.describe(p) if p is not None else {}
+
+    async def refresh(self, name: str | None = None) -> dict[str, Any]:
+        if name is None:
+            refreshed, failed = [], {}
+            async with self._lock:
+                self.discover()
+                for p in reversed(self._ordered()):
+                    if p.loaded and p.loaded_fingerprint != fingerprint(p.folder):
+                        await self._deactivate(p)
+                        refreshed.append(p.name)
+                await self._sync()
+                for n in refreshed:
+                    if self.plugins.get(n) and self.plugins[n].error:
+                        failed[n] = self.plugins[n].error
+            self.on_change()
+            return {"status": "partial" if failed else "ok", "refreshed": sorted(refreshed), "failed": failed}
+        p = self.get(name)
+        if not p.installed:
+            raise LocalmError(404, f"{name} is not installed")
+        if not p.builtin and p.store_folder is None:
+            raise LocalmError(404, f"{name} did not ship with localm; reinstall it from its folder with force")
+        async with self._lock:
+            updated = False
+            if not p.builtin and p.store_folder is not None and fingerprint(p.store_folder) != fingerprint(p.folder):
+                if p.loaded:
+                    await self._deactivate(p)
+                self._copy_in(p.store_folder, name)
+                updated = True
+            self.discover()
+            p = self.plugins[name]
+            if p.loaded and p.loaded_fingerprint != fingerprint(p.folder):
+                await self._deactivate(p)
+                updated = True
+            await self._sync()
+        self.on_change()
+        if p.error:
+            raise LocalmError(500, f"Refreshing {name} failed: {p.error}")
+        return {"status": "refreshed" if updated else "up-to-date", "name": name}

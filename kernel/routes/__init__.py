@@ -1,0 +1,15 @@
+"""The kernel's own routes; every other route comes from a plugin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def kernel_routes(*, metrics: bool) -> list[Any]:
+    from . import config, health, jobs, keys, plugins, server, session
+
+    out: list[Any] = [*health.ROUTES, *config.ROUTES, *plugins.ROUTES, *keys.ROUTES, *session.ROUTES,
+                      *jobs.ROUTES, *server.ROUTES]
+    if metrics:
+        out.extend(server.METRICS_ROUTES)
+    return out

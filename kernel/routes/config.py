@@ -1,0 +1,92 @@
+"""GET/PATCH /v1/config, GET /v1/config/schema, GET/POST /v1/plugins/settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request
+
+from ..auth import Principal
+from ..config import KERNEL_FIELDS
+from ..errors import LocalmError
+from ..manifest import legal_id
+from ..routing import get, patch, post
+from .common import json_object, kernel_of, principal_of
+
+
+@get("/v1/config", scope="config:read", summary="The whole config, with read-only extras")
+async def read_config(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    return k.config.view(principal_of(request), port=k.port)
+
+
+@patch("/v1/config", scope="config:write", summary="Change config keys; returns the merged config")
+async def patch_config(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    caller = principal_of(request)
+    body = await json_object(request)
+    if body.get("require_auth") is True and not k.keys.any_key():
+        raise LocalmError(400, "require_auth needs an API key first: run `localm key generate`")
+    before = k.config.enabled_overrides()
+    k.config.patch(body, caller)
+    if "plugins_enabled" in body and k.config.enabled_overrides() != before:
+        await k.plugins.sync()
+    return k.config.view(caller, port=k.port)
+
+
+@get("/v1/config/schema", scope="config:read", summary="Every setting: kernel and active plugins")
+async def config_schema(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    caller = principal_of(request)
+    fields = [f.schema() for f in KERNEL_FIELDS.values() if caller.is_owner or not f.owner_only]
+    for p in k.plugins.plugins.values():
+        if not p.active:
+            continue
+        for spec in p.fields.values():
+            if spec.owner_only and not caller.is_owner:
+                continue
+            fields.append(spec.schema() | {"key": f"plugins.{p.name}.{spec.key}", "plugin": p.name})
+    return {"fields": fields}
+
+
+def _plugin_fields(k: Any, caller: Principal, p: Any) -> list[dict[str, Any]]:
+    values = k.plugins.resolved_settings(p.name)
+    return [spec.schema() | {"value": values[spec.key]} for spec in p.fields.values()
+            if caller.is_owner or not spec.owner_only]
+
+
+@get("/v1/plugins/settings", scope="config:read", summary="Every active plugin's settings with their values")
+async def plugin_settings(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    caller = principal_of(request)
+    out = []
+    for p in sorted(k.plugins.plugins.values(), key=lambda p: p.name):
+        if p.active and p.fields:
+            label = (p.manifest.label if p.manifest and p.manifest.label else p.name)
+            out.append({"plugin": p.name, "label": label, "fields": _plugin_fields(k, caller, p)})
+    return {"plugins": out}
+
+
+@post("/v1/plugins/{name:str}/settings", scope="config:write",
+      summary="Merge one plugin's settings; a blank value clears an override")
+async def set_plugin_settings(request: Request, name: str) -> dict[str, Any]:
+    k = kernel_of(request)
+    caller = principal_of(request)
+    p = k.plugins.plugins.get(name) if legal_id(name) else None
+    if p is None or not p.active or not p.fields:
+        raise LocalmError(404, f"No active plugin named {name} has settings")
+    body = await json_object(request)
+    fields = p.fields
+    updates: dict[str, Any] = {}
+    for key, value in body.items():
+        spec = fields.get(key)
+        if spec is None:
+            raise LocalmError(400, f"Unknown setting for {name}: {key}")
+        if spec.owner_only and not caller.is_owner:
+            raise LocalmError(403, f"{key} is owner-only: it needs an admin key")
+        updates[key] = None if value is None or value == "" else spec.check(value)
+    k.config.set_plugin_values(name, updates)
+    return {"plugin": name, "fields": _plugin_fields(k, caller, p)}
+
+
+ROUTES = [read_config, patch_config, config_schema, plugin_settings, set_plugin_settings]

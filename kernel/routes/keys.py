@@ -1,0 +1,102 @@
+"""API keys: list, mint, revoke; the owner key's rotate and clear."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request
+
+from ..auth import KERNEL_SCOPES, PRIVILEGED_SCOPES, new_key, parse_mint_request
+from ..errors import LocalmError
+from ..routing import delete, get, post
+from .common import json_body, json_object, kernel_of, principal_of
+
+
+def _key_file_label(k: Any, owner: bool) -> str:
+    return str(k.keys.owner_file.path) if owner else "<data>/owner_key.json"
+
+
+@get("/v1/keys", scope="keys:admin", summary="Every scoped key's metadata (never a plaintext key)")
+async def list_keys(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    caller = principal_of(request)
+    warning = k.keys.owner_key_warning()
+    if warning and not caller.is_owner:
+        warning = warning.replace(str(k.keys.owner_file.path), _key_file_label(k, False))
+    scopes = {**KERNEL_SCOPES, **k.plugins.known_scopes()}
+    return {"keys": k.keys.listing(), "is_owner": caller.is_owner,
+            "presets": [{"scope": s, "description": d, "privileged": s in PRIVILEGED_SCOPES}
+                        for s, d in sorted(scopes.items())],
+            "owner_key_warning": warning}
+
+
+@post("/v1/keys", scope="keys:admin", summary="Mint a scoped key; the plaintext is shown once")
+async def create_key(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    caller = principal_of(request)
+    body = await json_object(request)
+    known = {**KERNEL_SCOPES, **k.plugins.known_scopes()}
+    wanted = parse_mint_request(body, caller, set(known))
+    scopes = wanted["scopes"]
+    k.keys.keys_file.read()  # 409 before anything is minted when the store is unreadable
+    record, plaintext = k.keys.create(**wanted)
+    out: dict[str, Any] = {"id": record.id, "name": record.name, "scopes": list(record.scopes),
+                           "expires": record.expires, "fs_access": record.fs_access,
+                           "rag_roots": list(record.rag_roots), "key": plaintext}
+    warnings = []
+    for s in scopes:
+        base = s.split(":")[0]
+        p = k.plugins.plugins.get(base)
+        if s not in KERNEL_SCOPES and (p is None or not p.installed):
+            warnings.append(f"{s}: no installed plugin serves this scope yet")
+        elif s not in KERNEL_SCOPES and p is not None and not p.active:
+            warnings.append(f"{s}: the {p.name} plugin is not active")
+    if warnings:
+        out["warnings"] = warnings
+    return out
+
+
+@delete("/v1/keys/{key_id:str}", scope="keys:admin", summary="Revoke a scoped key")
+async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
+    kernel_of(request).keys.revoke(key_id)
+    return {"status": "revoked", "id": key_id}
+
+
+@post("/api/auth/key/rotate", scope="admin", summary="Roll the owner key, or set it to a chosen value")
+async def rotate_owner_key(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    body = await json_body(request, required=False)
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise LocalmError(400, "The body must be a JSON object")
+    value = body.get("key")
+    if value is not None and not isinstance(value, str):
+        raise LocalmError(400, "key must be a string")
+    key = value.strip() if value and value.strip() else new_key()
+    k.keys.set_owner_key(key)
+    warnings = []
+    active = k.keys.verify(key) is not None and k.keys.env_key() is None
+    if k.keys.env_key() is not None:
+        warnings.append("LOCALM_API_KEY is set in the server's environment and overrides the stored owner key")
+    elif not active:
+        warnings.append("The stored key could not be read back")
+    return {"rotated": True, "active": active, "key": key, "warnings": warnings}
+
+
+@post("/api/auth/key/clear", scope="config:write", summary="Delete the owner key and sign out every session")
+async def clear_owner_key(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    warnings = []
+    try:
+        k.keys.clear_owner_key()
+    except (OSError, LocalmError):
+        warnings.append("the owner key (it could not be removed)")
+    try:
+        k.sessions.drop_all()
+    except (OSError, LocalmError):
+        warnings.append("browser sessions (some devices may still be signed in)")
+    return {"cleared": not warnings, "warnings": warnings}
+
+
+ROUTES = [list_keys, create_key, revoke_key, rotate_owner_key, clear_owner_key]

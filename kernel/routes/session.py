@@ -1,0 +1,77 @@
+"""Browser sessions: exchange a key for a cookie, read the session, sign out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, Response
+from litestar.datastructures import Cookie
+
+from ..app import _cookie
+from ..errors import LocalmError
+from ..sessions import COOKIE, SESSION_TTL
+from ..routing import get, post
+from .common import json_body, kernel_of, principal_of
+
+
+def _session_cookie(value: str, *, max_age: int) -> Cookie:
+    return Cookie(key=COOKIE, value=value, path="/", httponly=True, samesite="strict", max_age=max_age)
+
+
+@get("/api/session", access="session", summary="Whether this caller is signed in, and whether a key is required")
+async def read_session(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    caller = principal_of(request)
+    csrf = ""
+    sid = _cookie(request.scope, COOKIE)
+    if sid:
+        found = k.sessions.lookup(sid)
+        if found is not None:
+            csrf = found[1]
+    scopes = sorted(caller.scopes) if caller.authenticated else []
+    return {"authed": caller.authenticated, "scopes": scopes, "required": k.auth_required(), "csrf": csrf,
+            "session_mode": "none"}
+
+
+@post("/api/session", access="session", summary="Exchange a key for a session cookie and a CSRF token")
+async def sign_in(request: Request) -> Response:
+    k = kernel_of(request)
+    if not k.auth_required():
+        raise LocalmError(400, "No API key is configured: there is nothing to sign in to")
+    body = await json_body(request, required=False)
+    key = body.get("key") if isinstance(body, dict) else None
+    if key is None:
+        auth = request.headers.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+    if not isinstance(key, str) or not key:
+        raise LocalmError(401, "Send a key as {\"key\": ...} or as a bearer token")
+    principal = k.keys.verify(key)
+    if principal is None:
+        raise LocalmError(401, "Invalid API key")
+    sid, csrf = k.sessions.create(principal)
+    response = Response({"authed": True, "scopes": sorted(principal.scopes), "csrf": csrf})
+    response.set_cookie(_session_cookie(sid, max_age=SESSION_TTL))
+    return response
+
+
+@post("/api/session/logout", access="session", summary="Sign this browser out")
+async def sign_out(request: Request) -> Response:
+    k = kernel_of(request)
+    warnings: list[str] = []
+    sid = _cookie(request.scope, COOKIE)
+    if sid:
+        found = k.sessions.lookup(sid)
+        if found is not None:
+            if not k.sessions.csrf_ok(found[1], request.headers.get("x-csrf-token")):
+                raise LocalmError(403, "Missing or invalid CSRF token (send X-CSRF-Token)")
+            try:
+                k.sessions.drop(sid)
+            except (OSError, LocalmError):
+                warnings.append("this session's server-side record (it could not be removed)")
+    response = Response({"authed": False, "warnings": warnings})
+    response.set_cookie(_session_cookie("", max_age=0))
+    return response
+
+
+ROUTES = [read_session, sign_in, sign_out]

@@ -1,0 +1,89 @@
+"""``localm serve``: bind the port (moving to the next free one when busy), run uvicorn,
+and restart in place when asked to."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+
+from .runtime import Kernel
+
+log = logging.getLogger("localm")
+
+PORT_TRIES = 50
+
+
+def bind_socket(host: str, port: int, *, bump: bool, wait: float = 0.0) -> socket.socket:
+    """A listening socket on ``host:port``, or the next free port when ``bump``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    deadline = time.monotonic() + wait
+    candidate = port
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, candidate))
+            sock.listen(2048)
+            sock.set_inheritable(True)
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            if bump and port != 0 and candidate < port + PORT_TRIES:
+                candidate += 1
+                continue
+            if time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+            raise
+
+
+def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model: str | None,
+          log_level: str = "info") -> None:
+    restart_port = os.environ.pop("LOCALM_RESTART_PORT", None)
+    if restart_port:
+        sock = bind_socket(host, int(restart_port), bump=False, wait=10.0)
+    else:
+        sock = bind_socket(host, port, bump=True)
+    actual = sock.getsockname()[1]
+    if port not in (0, actual) and not restart_port:
+        print(f"localm: port {port} is busy; serving on {actual} instead", file=sys.stderr, flush=True)
+    kernel = Kernel(data_dir, bind_host=host, port=actual, only=only, model=model)
+    config = uvicorn.Config(kernel.asgi, lifespan="on", log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5, log_config=None, server_header=False)
+    server = uvicorn.Server(config)
+    restart = [False]
+
+    def exit_handler(again: bool) -> None:
+        restart[0] = again
+        server.should_exit = True
+
+    kernel.exit_handler = exit_handler
+
+    def announce() -> None:
+        kernel.write_server_file(host, actual)
+        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual}"
+        active = [p.name for p in kernel.plugins.plugins.values() if p.active]
+        print(f"localm {'restarted' if restart_port else 'serving'} on {url} "
+              f"(data: {kernel.data_dir}; plugins: {', '.join(sorted(active)) or 'none'})", file=sys.stderr,
+              flush=True)
+
+    kernel.on_ready = announce
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        kernel.forget_server_file()
+    if restart[0]:
+        os.environ["LOCALM_RESTART_PORT"] = str(actual)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

@@ -1,0 +1,49 @@
+"""localm's SDK: the one package plugins import.
+
+A plugin is a folder with a ``plugin.toml`` and a module that implements hooks::
+
+    from localm import sdk
+
+    @sdk.get("/hello/{name:str}")
+    async def hello(name: str) -> dict:
+        return {"greeting": f"Hello, {name}"}
+
+    @sdk.hookimpl
+    def register_routes(register):
+        register(hello)
+
+Plugins import ``localm.sdk`` (and their own modules) only: never ``localm.kernel``
+and never another plugin. They reach other plugins through host services
+(``host.service(name)``).
+"""
+
+from __future__ import annotations
+
+from litestar import Request, Response, Router
+from litestar.response import Stream
+
+from localm.kernel.app import principal_of as caller
+from localm.kernel.auth import Principal
+from localm.kernel.errors import LocalmError
+from localm.kernel.host import Host
+from localm.kernel.hookspecs import hookimpl
+from localm.kernel.jobs import JobCancelled, JobContext
+from localm.kernel.plugins import PluginContext
+from localm.kernel.routes.common import sse
+from localm.kernel.routing import delete, get, head, patch, post, put, route
+from localm.kernel.settings import FieldSpec, setting
+
+__all__ = [
+    "hookimpl",
+    # routes
+    "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "sse",
+    "caller", "Principal",
+    # errors
+    "LocalmError",
+    # settings
+    "setting", "FieldSpec",
+    # jobs
+    "JobContext", "JobCancelled",
+    # host
+    "Host", "PluginContext",
+]

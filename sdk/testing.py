@@ -1,0 +1,149 @@
+"""Test helpers for localm and its plugins: a real server on a free loopback port.
+
+Loaded as a pytest plugin (entry point ``localm``), it provides the ``localm_server``
+fixture: call it to start ``localm serve`` in a subprocess with chosen plugins and a
+temporary data dir; every server it started is stopped after the test::
+
+    def test_hello(localm_server):
+        server = localm_server(plugins=["hello"])
+        assert server.client().get("/hello/ada").json() == {"greeting": "Hello, ada"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+
+START_TIMEOUT = float(os.environ.get("LOCALM_TEST_START_TIMEOUT", "60"))
+
+
+class LocalmServer:
+    """A ``localm serve`` subprocess with its own data dir."""
+
+    def __init__(self, data_dir: Path, *, plugins: list[str] | None = None, env: dict[str, str] | None = None,
+                 model: str | None = None, host: str = "127.0.0.1", args: list[str] | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.plugins = plugins
+        self.env = dict(env or {})
+        self.model = model
+        self.host = host
+        self.args = list(args or [])
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.port = 0
+        self.token = ""
+        self.log_path = self.data_dir.parent / f"{self.data_dir.name}-server.log"
+
+    # --- lifecycle -----------------------------------------------------------------
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "localm.kernel", "--data-dir", str(self.data_dir), "serve",
+               "--host", self.host, "--port", "0", *self.args]
+        if self.plugins is not None:
+            cmd += ["--plugins", ",".join(self.plugins)]
+        if self.model:
+            cmd.append(self.model)
+        return cmd
+
+    def start(self) -> "LocalmServer":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env}
+        env.pop("LOCALM_API_KEY", None) if "LOCALM_API_KEY" not in self.env else None
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.wait_ready(self.proc.pid)
+        return self
+
+    def wait_ready(self, pid: int, timeout: float = START_TIMEOUT) -> None:
+        """Wait for the server (process ``pid``) to write server.json and answer on its port."""
+        deadline = time.monotonic() + timeout
+        info_path = self.data_dir / "server.json"
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"localm serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                info = json.loads(info_path.read_text())
+            except (OSError, ValueError):
+                info = None
+            if info and info.get("pid") == pid:
+                try:
+                    httpx.get(f"{info['url']}/health", timeout=2)
+                except httpx.HTTPError:
+                    pass
+                else:
+                    self.url, self.port, self.token = info["url"], info["port"], info["token"]
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"localm serve did not become ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-8000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    # --- talking to it -------------------------------------------------------------
+    def client(self, key: str | None = None, *, attach: bool = False, **kwargs: Any) -> httpx.Client:
+        """An HTTP client for this server: with ``key`` as bearer, or the attach token."""
+        headers = dict(kwargs.pop("headers", {}))
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        elif attach:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return httpx.Client(base_url=self.url, headers=headers, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def owner(self) -> httpx.Client:
+        """A client holding this process's attach token (the owner, from loopback)."""
+        return self.client(attach=True)
+
+    def cli(self, *args: str, input: str | None = None, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """Run ``localm --data-dir <this server's> ARGS`` and capture its output."""
+        cmd = [sys.executable, "-m", "localm.kernel", "--data-dir", str(self.data_dir), *args]
+        return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **self.env, **(env or {})})
+
+
+@pytest.fixture
+def localm_data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def localm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalmServer]]:
+    """Start real servers: ``localm_server(plugins=[...], env={...}, data_dir=...)``."""
+    started: list[LocalmServer] = []
+
+    def start(*, data_dir: Path | None = None, **kwargs: Any) -> LocalmServer:
+        d = data_dir or tmp_path_factory.mktemp("localm") / "data"
+        server = LocalmServer(d, **kwargs).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def free_data_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="localm-")) / "data"
