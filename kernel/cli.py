@@ -92,6 +92,7 @@ class LocalmGroup(click.Group):
             fail(f"plugin {p.name} failed to import: {exc.__class__.__name__}: {exc}")
         host.pm.register(module, name=p.name)
         commands: list[Any] = []
+        host.call_sync("register_settings", p, register=lambda cls: host._declare(p, cls), host=None)
         host.call_sync("register_commands", p, register=commands.append, host=None)
         for command in commands:
             if command.name == cmd_name:
@@ -101,7 +102,7 @@ class LocalmGroup(click.Group):
 
 
 @click.group(cls=LocalmGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), envvar="LOCALM_HOME",
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), envvar="LOCALM_HOME", is_eager=True,
               help="Data directory (default: $LOCALM_HOME or ~/.localm).")
 @click.version_option(__version__, prog_name="localm")
 @click.pass_context

@@ -33,6 +33,11 @@ class Host:
         return __version__
 
     @property
+    def started_at(self) -> float:
+        """When this server process started (epoch seconds)."""
+        return self._kernel.started_at
+
+    @property
     def jobs(self) -> Any:
         return self._kernel.jobs
 

@@ -33,11 +33,27 @@ from localm.kernel.routes.common import sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
 from localm.kernel.settings import FieldSpec, setting
 
+
+
+def host_of(request: Request) -> Host:
+    """The host services, from inside a route handler."""
+    return request.app.state.kernel.host
+
+
+def plugin_of(request: Request) -> PluginContext:
+    """The context of the plugin that owns this route (its settings, data dir, jobs)."""
+    kernel = request.app.state.kernel
+    name = request.route_handler.opt.get("plugin")
+    if name is None or name not in kernel.plugins.plugins:
+        raise LocalmError(500, "This route does not belong to a plugin")
+    return kernel.plugins.context(kernel.plugins.plugins[name])
+
+
 __all__ = [
     "hookimpl",
     # routes
     "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "sse",
-    "caller", "Principal",
+    "caller", "Principal", "host_of", "plugin_of",
     # errors
     "LocalmError",
     # settings
