@@ -192,14 +192,11 @@ class Guard:
 
     async def _preflight(self, scope: dict[str, Any], send: Any) -> None:
         requested_headers = _header(scope, b"access-control-request-headers") or ""
-        origin = scope.get("localm_cors") or _header(scope, b"origin") or ""
+        # the allowed origin itself is added by KernelASGI, as on every answer
         headers = [
-            (b"access-control-allow-origin", origin.encode("latin-1")),
             (b"access-control-allow-methods", b"GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"),
             (b"access-control-allow-headers", requested_headers.encode("latin-1") or b"*"),
-            (b"access-control-allow-credentials", b"true"),
             (b"access-control-max-age", b"600"),
-            (b"vary", b"Origin"),
             (b"content-length", b"0"),
         ]
         await send({"type": "http.response.start", "status": 204, "headers": headers})

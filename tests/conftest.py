@@ -1,0 +1,64 @@
+"""Shared fixtures: real servers on loopback, with the test plugins of tests/plugins/
+visible as a catalog (LOCALM_PLUGIN_STORE)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from localm.sdk.testing import LocalmServer
+
+TEST_STORE = Path(__file__).parent / "plugins"
+STORE_ENV = {"LOCALM_PLUGIN_STORE": str(TEST_STORE)}
+
+#: Details the guard answers with when it refuses a caller.
+AUTH_REFUSALS = ("Missing API key", "Invalid API key", "Key lacks required scope",
+                 "Open-mode management requires", "Cross-origin request refused", "API key expired",
+                 "Missing or invalid CSRF token", "Session expired")
+
+
+def refused_by_guard(response: Any) -> bool:
+    if response.status_code not in (401, 403):
+        return False
+    try:
+        detail = response.json().get("detail", "")
+    except ValueError:
+        return False
+    return detail.startswith(AUTH_REFUSALS)
+
+
+@pytest.fixture
+def server(localm_server: Callable[..., LocalmServer]) -> Callable[..., LocalmServer]:
+    """``server(**kwargs)``: a real server that also sees the test plugin catalog."""
+    def start(**kwargs: Any) -> LocalmServer:
+        kwargs["env"] = {**STORE_ENV, **kwargs.get("env", {})}
+        return localm_server(**kwargs)
+    return start
+
+
+def offline_cli(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run a CLI command against a data dir with no server; return its stdout (must succeed)."""
+    result = LocalmServer(data_dir, env={**STORE_ENV, **(env or {})}).cli(*args)
+    assert result.returncode == 0, result.stderr + result.stdout
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalmServer]]:
+    started: list[LocalmServer] = []
+
+    def start(*, prepare: Callable[[Path], Any] | None = None, **kwargs: Any) -> LocalmServer:
+        data_dir = tmp_path_factory.mktemp("localm") / "data"
+        data_dir.mkdir(parents=True)
+        if prepare is not None:
+            prepare(data_dir)
+        kwargs["env"] = {**STORE_ENV, **kwargs.get("env", {})}
+        s = LocalmServer(data_dir, **kwargs).start()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
