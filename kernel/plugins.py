@@ -289,11 +289,14 @@ class PluginHost:
     async def _sync(self) -> bool:
         changed = False
         ordered = self._ordered()
-        # stop, in reverse order, what should no longer run
-        for p in reversed(ordered):
-            if p.loaded and (not self._wanted(p) or self._requires_missing(p)):
-                await self._deactivate(p)
-                changed = True
+        # stop what should no longer run, then what needed it, until nothing changes
+        stopping = True
+        while stopping:
+            stopping = False
+            for p in reversed(ordered):
+                if p.loaded and (not self._wanted(p) or self._requires_missing(p)):
+                    await self._deactivate(p)
+                    changed = stopping = True
         for p in ordered:
             if not self._wanted(p):
                 p.missing_requires = []

@@ -73,5 +73,13 @@ def sse(events: AsyncIterator[dict[str, Any]], *, ids: bool = True) -> Stream:
             if pending is not None:
                 pending.cancel()
 
-    return Stream(body(), media_type="text/event-stream",
-                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(body(), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class EventStream(Stream):
+    """A stream that keeps its own media type whatever the route handler declares."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = "text/event-stream"
+        return super().to_asgi_response(*args, **kwargs)
