@@ -1,4 +1,12 @@
+from dataclasses import dataclass
+
 from localm import sdk
+
+
+@dataclass
+class Payload:
+    count: int
+    label: str
 
 
 @sdk.get("/guard/ping")
@@ -13,4 +21,19 @@ async def infer() -> dict:
 
 @sdk.hookimpl
 def register_routes(register):
-    register(ping, infer)
+    register(ping, infer, boom, typed)
+
+
+@sdk.get("/guard/boom")
+async def boom() -> dict:
+    raise ValueError("internal detail: /srv/secret/path")
+
+
+@sdk.post("/guard/typed")
+async def typed(data: Payload) -> dict:
+    return {"count": data.count}
+
+
+@sdk.hookimpl
+def register_scopes(register):
+    register("guard", "The guard test plugin's routes")
