@@ -84,17 +84,16 @@ class Guard:
 
     def __call__(self, app: Any) -> Any:
         async def guard(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] == "http":
-                if self.check(scope):
-                    await self._preflight(scope, send)
-                    return
+            if scope["type"] in ("http", "websocket") and self.check(scope):
+                await self._preflight(scope, send)
+                return
             await app(scope, receive, send)
         return guard
 
     def check(self, scope: dict[str, Any]) -> bool:
         """Identify and authorise the caller; True when this is a CORS preflight to answer."""
         opt = scope["route_handler"].opt
-        method = scope["method"]
+        method = scope.get("method", "GET")  # a websocket handshake is a GET
         requested = _header(scope, b"access-control-request-method")
         preflight = method == "OPTIONS" and requested is not None
         if preflight:

@@ -144,6 +144,7 @@ class KeyStore:
         self.owner_file = JsonFile(data_dir / "owner_key.json", what="The owner key file (owner_key.json)",
                                    default=dict, expect=dict, mode=0o600)
         self._last_used: dict[str, float] = {}
+        self._unsaved: set[str] = set()
 
     # --- owner key ---------------------------------------------------------------
     @staticmethod
@@ -221,9 +222,10 @@ class KeyStore:
 
     def flush_last_used(self) -> None:
         """Persist last-use times (kept in memory per request, written at most now and then)."""
-        if not self._last_used:
+        if not self._unsaved:
             return
-        seen = dict(self._last_used)
+        seen = {k: self._last_used[k] for k in self._unsaved if k in self._last_used}
+        self._unsaved.clear()
 
         def merge(current: list[Any]) -> list[Any]:
             for r in current:
@@ -263,6 +265,7 @@ class KeyStore:
                 if r.expired():
                     raise LocalmError(401, "API key expired", headers={"WWW-Authenticate": "Bearer"})
                 self._last_used[r.id] = time.time()
+                self._unsaved.add(r.id)
                 return Principal(kind="key", scopes=frozenset(r.scopes), key_id=r.id, name=r.name)
         return None
 
