@@ -8,6 +8,7 @@ routes are simply absent, so they answer 404.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import time
@@ -41,6 +42,7 @@ def principal_of(request: Request) -> Principal:
     return request.scope.get("localm_principal", ANONYMOUS)  # type: ignore[return-value]
 
 
+@functools.lru_cache(maxsize=256)
 def is_loopback(host: str | None) -> bool:
     if not host:
         return False
@@ -135,7 +137,7 @@ class Guard:
         keyed = k.auth_required()
 
         if access == "public" or (access == "session" and keyed):
-            return self._soft_identify(bearer, attach, scope)
+            return self._soft_identify(bearer, attach, scope, keyed)
         if keyed:
             if bearer:
                 if attach:
@@ -171,7 +173,7 @@ class Guard:
             raise LocalmError(403, OPEN_MODE_REFUSAL)
         return OPEN
 
-    def _soft_identify(self, bearer: str | None, attach: bool, scope: dict[str, Any]) -> Principal:
+    def _soft_identify(self, bearer: str | None, attach: bool, scope: dict[str, Any], keyed: bool) -> Principal:
         """Who is calling a public route, if they say; never refuses."""
         if attach:
             return ATTACH
@@ -187,7 +189,7 @@ class Guard:
             session = self.kernel.sessions.lookup(sid)
             if session is not None:
                 return session[0]
-        return ANONYMOUS if self.kernel.auth_required() else OPEN
+        return ANONYMOUS if keyed else OPEN
 
     async def _preflight(self, scope: dict[str, Any], send: Any) -> None:
         requested_headers = _header(scope, b"access-control-request-headers") or ""

@@ -240,7 +240,7 @@ class KeyStore:
     # --- verification -------------------------------------------------------------
     def any_key(self) -> bool:
         """True once any credential exists: then every non-public route needs one."""
-        if self.env_key() or self.owner_hash():
+        if self.env_key() is not None or self.owner_hash() is not None:
             return True
         try:
             return bool(self.keys_file.cached())

@@ -62,7 +62,7 @@ class Kernel:
 
     # --- policy --------------------------------------------------------------------
     def auth_required(self) -> bool:
-        return self.keys.any_key() or bool(self.config.get("require_auth"))
+        return self.keys.any_key() or self.config.get("require_auth") is True
 
     def cors_origins(self) -> list[str]:
         value = self.config.get("cors_origins")

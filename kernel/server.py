@@ -26,7 +26,9 @@ def bind_socket(host: str, port: int, *, bump: bool, wait: float = 0.0) -> socke
     deadline = time.monotonic() + wait
     candidate = port
     while True:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only then,
+        # and without it a keep-alive response body waits ~40 ms for the client's delayed ACK
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, candidate))
