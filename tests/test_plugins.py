@@ -259,3 +259,29 @@ def test_install_deps_refused_beyond_loopback(server: Any) -> None:
     r = s.owner().post("/api/plugins/hello/install-deps")
     assert r.status_code == 403
     assert s.owner().get("/api/plugins/hello/install-deps/events").status_code == 403
+
+
+def test_builtin_plugins_are_installed_and_cannot_be_uninstalled(tmp_path: Path) -> None:
+    """Discovery from the builtin folder, the data dir and the catalog, on the host itself."""
+    from localm.kernel.config import Config
+    from localm.kernel.errors import LocalmError
+    from localm.kernel.plugins import PluginHost
+
+    builtin = tmp_path / "builtin"
+    shutil.copytree(TEST_STORE / "guard", builtin / "guard")
+    shutil.copytree(TEST_STORE / "jobber", builtin / "jobber")
+    data_dir = tmp_path / "data"
+    shutil.copytree(TEST_STORE / "jobber", data_dir / "plugins" / "jobber")  # shadowed by the builtin one
+    host = PluginHost(data_dir=data_dir, config=Config(data_dir), services=None,
+                      builtin_dirs=[builtin], store_dirs=[TEST_STORE])
+    host.discover()
+    listing = {p["name"]: p for p in host.listing()}
+    assert listing["jobber"]["builtin"] and listing["jobber"]["installed"] and listing["jobber"]["enabled"]
+    assert listing["valves"]["available"] and not listing["valves"]["installed"]
+    assert "shadowed by the builtin plugin" in host.errors["jobber"]
+    with pytest.raises(LocalmError) as err:
+        host.check_uninstall("jobber")
+    assert err.value.status == 400
+    with pytest.raises(LocalmError) as err:
+        host.check_uninstall("guard")
+    assert err.value.status == 409
