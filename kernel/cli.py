@@ -293,8 +293,7 @@ def plugin_refresh(obj: Ctx, name: str | None) -> None:
 def plugin_install_deps(obj: Ctx, name: str) -> None:
     """Install a plugin's pip requirements, showing pip's output as it runs."""
     def body() -> None:
-        if obj.server:
-            obj.server.call("POST", f"/api/plugins/{name}/install-deps")
+        if obj.server and not _server_refuses_pip(obj.server, name):
             for event in obj.server.events(f"/api/plugins/{name}/install-deps/events"):
                 if event["type"] == "log":
                     click.echo(event["line"])
@@ -309,17 +308,31 @@ def plugin_install_deps(obj: Ctx, name: str) -> None:
         wanted = deps.missing(p.manifest.requirements if p.manifest else ())
         if not wanted:
             click.echo("All requirements are already installed.")
-            return
-
-        async def go() -> None:
-            async for line in deps.pip_install(wanted):
-                click.echo(line)
-        try:
-            asyncio.run(go())
-        except RuntimeError as exc:
-            fail(str(exc))
-        click.echo(f"Installed: {', '.join(wanted)}")
+        else:
+            async def go() -> None:
+                async for line in deps.pip_install(wanted):
+                    click.echo(line)
+            try:
+                asyncio.run(go())
+            except RuntimeError as exc:
+                fail(str(exc))
+            click.echo(f"Installed: {', '.join(wanted)}")
+        if obj.server:  # a server bound beyond loopback: pip ran here; let it pick the plugin up
+            obj.server.call("POST", "/api/plugins/refresh")
+            _after_change(obj, name)
     run(body)
+
+
+def _server_refuses_pip(server: ServerClient, name: str) -> bool:
+    """Start the install on the server; True when it refuses (bound beyond loopback)."""
+    try:
+        server.call("POST", f"/api/plugins/{name}/install-deps")
+    except ServerError as exc:
+        if exc.status == 403:
+            click.echo("The server is bound beyond loopback and never runs pip itself; installing here.")
+            return True
+        raise
+    return False
 
 
 # --- key ---------------------------------------------------------------------------

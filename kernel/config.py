@@ -32,8 +32,8 @@ class KernelSettings:
                                       description="Extra browser origins allowed to call the server "
                                                   "(localhost origins always are)")
     require_auth: bool = setting(False, owner_only=True,
-                                 description="Refuse every non-public request without a key, even the attach token's "
-                                             "open-mode reach (needs a key to exist)")
+                                 description="Keep requiring a key even after every key is removed (only public "
+                                             "routes and the local attach token get through); needs a key to set")
     metrics_enabled: bool = setting(False, owner_only=True,
                                     description="Serve Prometheus metrics at GET /metrics (admin scope; "
                                                 "applies at the next start)")

@@ -69,7 +69,7 @@ def register_scopes(register: Any, plugin: Any) -> None:
 
     The names a plugin guards routes with must also be listed under ``scopes`` in its
     plugin.toml (so keys can be minted while the plugin is inactive); this hook adds the
-    human description shown by ``localm key create --help`` and GET /v1/keys presets.
+    human description GET /v1/keys shows in its ``presets``.
     """
 
 
@@ -77,8 +77,9 @@ def register_scopes(register: Any, plugin: Any) -> None:
 def register_commands(register: Any, plugin: Any) -> None:
     """Add CLI commands: ``register(click_command)``.
 
-    Each command's name must be listed under ``commands`` in plugin.toml, so ``localm
-    --help`` can list it without importing the plugin. Called only by the CLI.
+    Each command's name must be listed under ``commands`` in plugin.toml: the CLI imports
+    the plugin only when one of its commands runs (or ``localm --help`` describes it).
+    Called only by the CLI.
     """
 
 

@@ -32,6 +32,8 @@ import cattrs
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
+from .settings import make_strict_converter
+
 PLUGIN_ID = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 MODULE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 SCOPE = re.compile(r"^[a-z][a-z0-9_]*(:[a-z][a-z0-9_]*)?$")
@@ -117,25 +119,13 @@ class Manifest:
 
 
 def _converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True)
-
-    def _str(v: Any, _: Any) -> str:
-        if not isinstance(v, str):
-            raise ValueError("expected a string")
-        return v
-
-    def _bool(v: Any, _: Any) -> bool:
-        if not isinstance(v, bool):
-            raise ValueError("expected true or false")
-        return v
+    conv = make_strict_converter()
 
     def _strs(v: Any, _: Any) -> tuple[str, ...]:
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise ValueError("expected a list of strings")
         return tuple(v)
 
-    conv.register_structure_hook(str, _str)
-    conv.register_structure_hook(bool, _bool)
     conv.register_structure_hook_func(lambda t: t == tuple[str, ...], _strs)
     return conv
 

@@ -129,29 +129,30 @@ def _describe(value: Any) -> str:
             list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def _make_strict() -> cattrs.Converter:
+def make_strict_converter() -> cattrs.Converter:
+    """A cattrs converter that never coerces: ``"1"`` is not an integer, ``1`` not a boolean."""
     conv = cattrs.Converter(forbid_extra_keys=True)
 
     def _str(v: Any, _: Any) -> str:
         if not isinstance(v, str):
-            raise TypeError("not a string")
+            raise ValueError("expected a string")
         return v
 
     def _bool(v: Any, _: Any) -> bool:
         if not isinstance(v, bool):
-            raise TypeError("not a boolean")
+            raise ValueError("expected true or false")
         return v
 
     def _int(v: Any, _: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             if isinstance(v, float) and v.is_integer():
                 return int(v)
-            raise TypeError("not an integer")
+            raise ValueError("expected an integer")
         return v
 
     def _float(v: Any, _: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError("not a number")
+            raise ValueError("expected a number")
         return float(v)
 
     conv.register_structure_hook(str, _str)
@@ -164,7 +165,7 @@ def _make_strict() -> cattrs.Converter:
 
         def structure(v: Any, _: Any) -> list[Any]:
             if not isinstance(v, list):
-                raise TypeError("not a list")
+                raise ValueError("expected a list")
             return [v_ if item is Any else conv.structure(v_, item) for v_ in v]
         return structure
 
@@ -173,7 +174,7 @@ def _make_strict() -> cattrs.Converter:
     def _dict_hook(tp: Any) -> Any:
         def structure(v: Any, _: Any) -> dict[str, Any]:
             if not isinstance(v, dict):
-                raise TypeError("not an object")
+                raise ValueError("expected an object")
             return dict(v)
         return structure
 
@@ -181,4 +182,4 @@ def _make_strict() -> cattrs.Converter:
     return conv
 
 
-strict = _make_strict()
+strict = make_strict_converter()

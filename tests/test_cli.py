@@ -120,3 +120,14 @@ def test_install_deps_shows_pip_output_live(server: Any) -> None:
     assert "Installing: humanize>=4" in out.stdout and "Successfully installed humanize" in out.stdout
     assert "It is active." in out.stdout
     assert s.owner().get("/hello/ada").json()["greeting"] == "Hello, ada!"
+
+
+def test_install_deps_beside_a_server_bound_beyond_loopback(server: Any) -> None:
+    """The server refuses to run pip; the CLI on its machine runs it and has the server refresh."""
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "humanize"], capture_output=True)
+    s = server(host="0.0.0.0")
+    s.cli("plugin", "install", "hello")
+    out = s.cli("plugin", "install-deps", "hello")
+    assert out.returncode == 0, out.stderr
+    assert "installing here" in out.stdout and "It is active." in out.stdout
+    assert s.owner().get("/hello/ada").json()["greeting"] == "Hello, ada!"
