@@ -46,15 +46,3 @@ class SaveTimeout(LocalmError):
 
     def __init__(self, what: str) -> None:
         super().__init__(504, f"Timed out waiting to save {what}; nothing was changed", code="save_timeout")
-
-
-def not_found(detail: str = "Not Found") -> LocalmError:
-    return LocalmError(404, detail)
-
-
-def bad_request(detail: str, **kw: Any) -> LocalmError:
-    return LocalmError(400, detail, **kw)
-
-
-def forbidden(detail: str) -> LocalmError:
-    return LocalmError(403, detail)

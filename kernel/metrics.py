@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Any
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -114,6 +113,3 @@ class Metrics:
             head("localm_vram_total_bytes", "gauge", "GPU memory in total")
             out.append(f"localm_vram_total_bytes {self.vram[1]}")
         return "\n".join(out) + "\n"
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"requests": sum(self.requests.values()), "in_flight": self.in_flight}

@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -57,7 +56,8 @@ class LocalmServer:
     def start(self) -> "LocalmServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
-        env.pop("LOCALM_API_KEY", None) if "LOCALM_API_KEY" not in self.env else None
+        if "LOCALM_API_KEY" not in self.env:  # a developer's own key must not leak into a test server
+            env.pop("LOCALM_API_KEY", None)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.wait_ready(self.proc.pid)
@@ -125,11 +125,6 @@ class LocalmServer:
 
 
 @pytest.fixture
-def localm_data_dir(tmp_path: Path) -> Path:
-    return tmp_path / "data"
-
-
-@pytest.fixture
 def localm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalmServer]]:
     """Start real servers: ``localm_server(plugins=[...], env={...}, data_dir=...)``."""
     started: list[LocalmServer] = []
@@ -143,7 +138,3 @@ def localm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     yield start
     for server in started:
         server.stop()
-
-
-def free_data_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="localm-")) / "data"
