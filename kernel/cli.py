@@ -88,17 +88,26 @@ class LocalmGroup(click.Group):
         host, p = entry
         try:
             module = host._import(p)
+            host.pm.register(module, name=p.name)
+            commands: list[Any] = []
+            host.call_sync("register_settings", p, register=lambda cls: host._declare(p, cls), host=None)
+            host.call_sync("register_commands", p, register=commands.append, host=None)
         except Exception as exc:
-            fail(f"plugin {p.name} failed to import: {exc.__class__.__name__}: {exc}")
-        host.pm.register(module, name=p.name)
-        commands: list[Any] = []
-        host.call_sync("register_settings", p, register=lambda cls: host._declare(p, cls), host=None)
-        host.call_sync("register_commands", p, register=commands.append, host=None)
+            return _unavailable(cmd_name, f"plugin {p.name} failed to load: {exc.__class__.__name__}: {exc}")
         for command in commands:
             if command.name == cmd_name:
                 return command
-        fail(f"plugin {p.name} lists the command {cmd_name} in plugin.toml but does not register it")
-        return None
+        return _unavailable(cmd_name, f"plugin {p.name} lists the command {cmd_name} in plugin.toml "
+                                      "but does not register it")
+
+
+def _unavailable(name: str, reason: str) -> click.Command:
+    """A stand-in for a plugin command that cannot load: --help still works, running it says why."""
+    def explain(args: tuple[str, ...]) -> None:
+        fail(reason)
+    return click.Command(name, callback=explain, help=f"(unavailable: {reason})", short_help="(unavailable)",
+                         params=[click.Argument(["args"], nargs=-1)],
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 
 
 @click.group(cls=LocalmGroup, context_settings={"help_option_names": ["-h", "--help"]})
