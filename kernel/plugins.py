@@ -369,6 +369,28 @@ class PluginHost:
             results.append(value)
         return results
 
+    async def run_hook(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        out = []
+        caller = getattr(self.pm.hook, hook)
+        for impl in caller.get_hookimpls():
+            p = self.plugins.get(impl.plugin_name)
+            if p is None or not p.active:
+                continue
+            try:
+                value = impl.function(**{arg: kwargs[arg] for arg in impl.argnames if arg in kwargs})
+                if inspect.isawaitable(value):
+                    value = await value
+            except LocalmError:
+                raise
+            except Exception:
+                log.error("plugin %s: %s hook failed:\n%s", p.name, hook, traceback.format_exc())
+                continue
+            out.append((p.name, value))
+        return out
+
+    def has_impls(self, hook: str) -> bool:
+        return bool(getattr(self.pm.hook, hook).get_hookimpls())
+
     def call_sync(self, hook: str, p: Plugin, **kwargs: Any) -> list[Any]:
         kwargs.setdefault("plugin", self.context(p))
         kwargs.setdefault("host", self.services)

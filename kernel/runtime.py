@@ -23,6 +23,8 @@ from .datadir import server_file
 from .errors import LocalmError
 from .host import Host
 from .jobs import Jobs
+from .manager import ModelManager
+from .models import ensure_default
 from .metrics import Metrics
 from .plugins import PluginHost
 from .sessions import SessionStore
@@ -46,6 +48,7 @@ class Kernel:
         self.jobs = Jobs()
         self.engines: dict[str, tuple[str, Any]] = {}
         self.error_renderers: dict[str, Callable[..., Any]] = {}
+        self.models = ModelManager(self)
         self.host = Host(self)
         self.plugins = PluginHost(data_dir=self.data_dir, config=self.config, services=self.host,
                                   builtin_dirs=builtin_dirs, store_dirs=store_dirs, only=only)
@@ -77,6 +80,10 @@ class Kernel:
 
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        try:
+            await asyncio.to_thread(ensure_default, self.models.registry)
+        except LocalmError as exc:  # an unreadable registry is reported by the routes that need it
+            log.error("could not register the default model: %s", exc.detail)
         self.plugins.discover()
         await self.plugins.sync()
         self.rebuild()
@@ -88,6 +95,7 @@ class Kernel:
         if self._flusher is not None:
             self._flusher.cancel()
         await self.jobs.cancel_all()
+        await self.models.close()
         await self.plugins.stop_all()
         self.keys.flush_last_used()
         self.forget_server_file()
@@ -150,10 +158,12 @@ class Kernel:
 
     # --- health ---------------------------------------------------------------------
     def health(self) -> tuple[int, dict[str, Any]]:
+        model = self.models.active or self.models.default_name()
+        loaded = model in self.models.resident
         if not self.engines:
-            return 503, {"status": "no_engine", "model": self.startup_model, "loaded": False,
+            return 503, {"status": "no_engine", "model": model, "loaded": loaded,
                          "detail": "No inference engine is active: enable an engine plugin"}
-        return 200, {"status": "ok", "model": self.startup_model, "loaded": False}
+        return 200, {"status": "ok", "model": model, "loaded": loaded}
 
     # --- the running server's file, for CLI commands -----------------------------------
     def write_server_file(self, host: str, port: int) -> None:

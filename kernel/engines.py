@@ -1,0 +1,133 @@
+"""The engine hook spec: what an inference engine provides to localm.
+
+An engine plugin registers a factory (``register_engines`` hook); the model manager
+calls ``factory(model, options)`` in a worker thread to load a model and gets back an
+:class:`Engine`. Surfaces (the chat plugin's OpenAI routes, the Ollama and Anthropic
+plugins) never schedule work themselves: they hand the engine a prompt and sampling
+settings and read its event stream. The engine owns the queue, so it can later decode
+several requests in one batch without any surface changing.
+
+The event stream of :meth:`Engine.generate`:
+
+- :class:`Queued` (zero or more times): the request waits behind others; ``ahead`` is
+  how many run or wait before it.
+- :class:`Started`: the engine took the request; the prompt is being processed.
+- :class:`Token` (for each generated token): its id and the text it completes.
+- :class:`Finished` (last): why it stopped, and token counts and timings.
+
+Closing the async iterator early (a client that went away, a stop sequence found by
+the caller) stops the generation within a token or two and frees the engine.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
+
+import attrs
+
+
+@attrs.frozen
+class Capabilities:
+    """What a loaded model can do."""
+
+    context_window: int
+    chat_template: bool = False
+    vision: bool = False
+    audio: bool = False
+    tool_use: bool = False
+    reasoning: bool = False
+    embeddings: bool = False
+    logprobs: bool = False
+    grammar: bool = False
+    interventions: bool = False
+
+
+@attrs.frozen
+class Sampling:
+    """How to pick each token. Engines apply every field or refuse the request."""
+
+    max_tokens: int | None = None
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+
+
+@attrs.frozen
+class GenerateRequest:
+    prompt: tuple[int, ...]
+    sampling: Sampling = Sampling()
+    cache_prompt: bool = True
+
+
+@attrs.frozen
+class Queued:
+    ahead: int
+
+
+@attrs.frozen
+class Started:
+    prompt_tokens: int
+
+
+@attrs.frozen
+class Token:
+    id: int
+    text: str  # the text this token completes ("" while a character is still partial)
+
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@attrs.frozen
+class Finished:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    error: str | None = None
+
+
+Event = Queued | Started | Token | Finished
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model. Methods that compute run off the event loop."""
+
+    engine: str  # the engine's name ("llamacpp", "transformers")
+    capabilities: Capabilities
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special`` adds the model's BOS when it uses one."""
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> str:
+        """The model's chat template applied to OpenAI-style messages (role, content)."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Generate; requests to one engine run in arrival order. See the module docstring."""
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        """One vector per text (pooled as the model was trained, normalised)."""
+
+    async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
+        """Log-softmax of the model's raw logits for the token after ``prompt``."""
+
+    @property
+    def busy(self) -> int:
+        """Requests running or waiting on this engine."""
+
+    def close(self) -> None:
+        """Free the model's memory; no call follows."""
+
+
+class EngineError(Exception):
+    """A model that cannot be loaded or run; the message never names absolute paths."""

