@@ -64,6 +64,15 @@ ROUTES = [
     R("POST", "/v1/server/shutdown", "config:write", destructive=True),
     R("POST", "/v1/server/restart", "config:write", destructive=True),
     R("GET", "/metrics", "admin"),
+    R("GET", "/v1/models", "models:read", access="open_read", own_status=200),
+    R("GET", "/v1/models/nope", "models:read", access="open_read", own_status=404),
+    R("POST", "/v1/models/load?model=nope", "models:write"),
+    R("POST", "/v1/models/unload?model=nope", "models:write"),
+    R("POST", "/v1/models/rename?model=nope&new_name=x", "models:write"),
+    R("POST", "/v1/chat/completions", None, access="inference", own_status=404,
+      body={"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
+    R("POST", "/v1/completions", None, access="inference", own_status=404, body={"model": "nope", "prompt": "hi"}),
+    R("POST", "/v1/embeddings", None, access="inference", own_status=404, body={"model": "nope", "input": "hi"}),
 ]
 SCOPES = sorted({r.scope for r in ROUTES if r.scope})
 UNRELATED = "guard"  # a scope no kernel route asks for
@@ -87,13 +96,13 @@ def keyed(module_server: Any) -> Any:
             keys[scope] = offline_cli(data_dir, "key", "create", "--name", scope, "--scope", scope).strip()
         keys["any"] = offline_cli(data_dir, "key", "create", "--name", "no scopes").strip()
 
-    server = module_server(prepare=prepare, env={"LOCALM_METRICS": "1"})
+    server = module_server(prepare=prepare, env={"LOCALM_METRICS": "1"}, plugins=[])
     return server, keys
 
 
 @pytest.fixture(scope="module")
 def open_server(module_server: Any) -> Any:
-    return module_server(env={"LOCALM_METRICS": "1"})
+    return module_server(env={"LOCALM_METRICS": "1"}, plugins=[])
 
 
 def answered_by_route(response: Any) -> bool:
@@ -149,13 +158,20 @@ def test_right_key(keyed: Any, route: R, who: str) -> None:
     assert r.status_code < 500 or route.path == "/health", r.text
 
 
-@pytest.mark.parametrize("route", [r for r in ROUTES if r.access not in ("public",)], ids=lambda r: r.id)
+@pytest.mark.parametrize("route", [r for r in ROUTES if r.access not in ("public", "inference")], ids=lambda r: r.id)
 def test_cross_origin_refused(keyed: Any, route: R) -> None:
     server, keys = keyed
     r = call(server.client(keys["owner"]), route, Origin=EVIL)
     assert r.status_code == 403
     assert r.json()["detail"].startswith(f"Cross-origin request refused: {EVIL}")
     assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("route", [r for r in ROUTES if r.access == "inference"], ids=lambda r: r.id)
+def test_inference_routes_accept_any_origin(keyed: Any, route: R) -> None:
+    server, keys = keyed
+    r = call(server.client(keys["any"]), route, Origin=EVIL)
+    assert r.status_code == route.own_status and r.headers["access-control-allow-origin"] == EVIL
 
 
 def test_cross_origin_preflight_refused(keyed: Any) -> None:
@@ -208,7 +224,8 @@ def test_attach_token_acts_as_owner_from_loopback(keyed: Any) -> None:
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.id)
 def test_open_mode_without_attach_token(open_server: Any, route: R) -> None:
     r = call(open_server.client(), route)
-    exempt = route.access == "public" or (route.access == "session" and route.method == "GET")
+    exempt = route.access in ("public", "inference", "open_read") or (route.access == "session"
+                                                                     and route.method == "GET")
     if exempt:
         assert r.status_code == (route.own_status or 200), r.text
     else:
@@ -224,7 +241,7 @@ def test_open_mode_with_attach_token(open_server: Any, route: R) -> None:
     assert r.status_code < 500 or route.path == "/health", r.text
 
 
-@pytest.mark.parametrize("route", [r for r in ROUTES if r.access != "public"], ids=lambda r: r.id)
+@pytest.mark.parametrize("route", [r for r in ROUTES if r.access not in ("public", "inference")], ids=lambda r: r.id)
 def test_open_mode_cross_origin_refused_even_with_the_token(open_server: Any, route: R) -> None:
     r = call(open_server.owner(), route, Origin=EVIL)
     assert r.status_code == 403

@@ -27,7 +27,7 @@ def test_busy_port_moves_to_the_next_free_one(server: Any) -> None:
 
 
 def test_health_is_public_and_reports_no_engine(server: Any) -> None:
-    s = server()
+    s = server(plugins=[])  # the chat plugin is protected and runs; no engine plugin does
     r = s.client().get("/health")
     assert r.status_code == 503
     assert r.json()["status"] == "no_engine" and r.json()["loaded"] is False

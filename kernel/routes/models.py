@@ -43,6 +43,7 @@ async def read_model(request: Request, model_id: str) -> dict[str, Any]:
     if resident is not None:
         out["engine"] = resident.engine.engine
         out["context_capacity"] = resident.engine.capabilities.context_window
+        out["busy"] = resident.engine.busy  # requests running or queued on it
     return out
 
 

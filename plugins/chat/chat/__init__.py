@@ -50,7 +50,8 @@ async def _prepared(host: Any, name: str | None, render: Any) -> tuple[Any, list
 
 # --- chat completions ------------------------------------------------------------------
 
-@sdk.post("/v1/chat/completions", scope=None, access="inference", summary="OpenAI chat completions")
+@sdk.post("/v1/chat/completions", scope=None, access="inference", error_family="openai",
+          summary="OpenAI chat completions")
 async def chat_completions(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
@@ -121,7 +122,8 @@ async def chat_completions(request: sdk.Request) -> Any:
 
 # --- text completions ------------------------------------------------------------------
 
-@sdk.post("/v1/completions", scope=None, access="inference", summary="OpenAI text completions")
+@sdk.post("/v1/completions", scope=None, access="inference", error_family="openai",
+          summary="OpenAI text completions")
 async def completions(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
@@ -184,7 +186,7 @@ async def completions(request: sdk.Request) -> Any:
 
 # --- embeddings --------------------------------------------------------------------------
 
-@sdk.post("/v1/embeddings", scope=None, access="inference", summary="OpenAI embeddings")
+@sdk.post("/v1/embeddings", scope=None, access="inference", error_family="openai", summary="OpenAI embeddings")
 async def embeddings(request: sdk.Request) -> dict[str, Any]:
     host = sdk.host_of(request)
     r = Reader(await _body(request))
@@ -211,6 +213,24 @@ async def embeddings(request: sdk.Request) -> dict[str, Any]:
     return {"object": "list", "model": model or entry.id,
             "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def openai_error(status: int, detail: str, code: str | None, extra: dict[str, Any]) -> sdk.Response:
+    """localm's {"detail": ...} plus OpenAI's error object, so OpenAI SDKs show the message."""
+    body: dict[str, Any] = {"detail": detail, **({"code": code} if code else {}), **extra,
+                            "error": {"message": detail, "type": _ERROR_TYPES.get(status, "server_error"),
+                                      "param": None, "code": code}}
+    return sdk.Response(body, status_code=status)
+
+
+@sdk.hookimpl
+def startup(host, plugin):
+    host.register_error_renderer("openai", openai_error, plugin=plugin.name)
 
 
 @sdk.hookimpl

