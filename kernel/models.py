@@ -305,8 +305,10 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
         caps, role = inspect_hf(item.path)
         size = sum(p.stat().st_size for p in item.path.rglob("*") if p.is_file())
         digest = None
-    entry = ModelEntry(id=model_id(name or item.name), path=str(item.path), source=source, type=item.type,
-                       sha256=digest, size_bytes=size, aliases=tuple(a for a in aliases if a != model_id(name or item.name)),
+    new_id = model_id(name or item.name)
+    free = tuple(a for a in aliases if a != new_id and registry.find(a) is None)  # an alias is a convenience
+    entry = ModelEntry(id=new_id, path=str(item.path), source=source, type=item.type,
+                       sha256=digest, size_bytes=size, aliases=free,
                        role=role, capabilities=caps, created=time.time())
     existing = registry.find(entry.id)
     replace = existing is not None and existing.path == entry.path

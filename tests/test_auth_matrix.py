@@ -118,7 +118,7 @@ def test_no_key(keyed: Any, route: R) -> None:
     if route.access in ("public", "session"):
         assert r.status_code == route.own_status, r.text
     else:
-        assert r.status_code == 401 and r.json() == {"detail": "Missing API key"}
+        assert r.status_code == 401 and r.json()["detail"] == "Missing API key"
         assert r.headers["www-authenticate"] == "Bearer"
 
 
@@ -129,7 +129,7 @@ def test_wrong_key(keyed: Any, route: R) -> None:
     if route.access in ("public", "session"):
         assert r.status_code == route.own_status, r.text
     else:
-        assert r.status_code == 401 and r.json() == {"detail": "Invalid API key"}
+        assert r.status_code == 401 and r.json()["detail"] == "Invalid API key"
 
 
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.id)
@@ -142,7 +142,7 @@ def test_key_without_the_scope(keyed: Any, route: R) -> None:
         assert answered_by_route(r), r.text
     else:
         assert r.status_code == 403
-        assert r.json() == {"detail": f"Key lacks required scope: {route.scope}"}
+        assert r.json()["detail"] == f"Key lacks required scope: {route.scope}"
 
 
 @pytest.mark.parametrize("route", [r for r in ROUTES if not r.destructive], ids=lambda r: r.id)

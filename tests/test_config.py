@@ -166,7 +166,8 @@ def test_owner_only_plugin_setting_hidden_from_non_owner(server: Any, tmp_path: 
     offline_cli(data_dir, "key", "generate")
     writer = offline_cli(data_dir, "key", "create", "--scope", "config:write").strip()
     s = server(data_dir=data_dir)
-    fields = s.client(writer).get("/v1/plugins/settings").json()["plugins"][0]["fields"]
+    listed = {p["plugin"]: p for p in s.client(writer).get("/v1/plugins/settings").json()["plugins"]}
+    fields = listed["valves"]["fields"]
     assert [f["key"] for f in fields] == ["threshold"]
     r = s.client(writer).post("/v1/plugins/valves/settings", json={"webhook": "http://x"})
     assert r.status_code == 403
