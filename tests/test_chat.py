@@ -222,9 +222,18 @@ def test_models_routes(server: LocalmServer, client: openai.OpenAI) -> None:
         owner.post("/v1/models/rename", params={"model": "tiny-chat", "new_name": MODEL})
 
 
-def test_embeddings_on_a_generation_model_are_refused(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError):
-        client.embeddings.create(model=MODEL, input="hello")
+def test_embeddings_of_the_loaded_model(client: openai.OpenAI) -> None:
+    import base64
+    import struct
+
+    a = client.embeddings.create(model=MODEL, input=["the sea", "a cat"]).data
+    b = client.embeddings.create(model=MODEL, input="the sea").data
+    assert len(a) == 2 and a[0].embedding == b[0].embedding and a[0].embedding != a[1].embedding
+    assert abs(sum(x * x for x in a[0].embedding) - 1) < 1e-4  # normalised
+    raw = client.embeddings.with_raw_response.create(model=MODEL, input="the sea", encoding_format="base64")
+    encoded = raw.http_response.json()["data"][0]["embedding"]
+    data = base64.b64decode(encoded)
+    assert list(struct.unpack(f"<{len(data) // 4}f", data)) == pytest.approx(b[0].embedding, abs=1e-6)
 
 
 def test_cli_pull_and_models(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ class LlamaEngine:
         meta = self.llm.metadata
         self.template = meta.get("tokenizer.chat_template")
         self.capabilities = spec.Capabilities(
-            context_window=self.llm.n_ctx(), chat_template=bool(self.template),
+            context_window=self.llm.n_ctx(), chat_template=bool(self.template), embeddings=True,
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template))
         self._formatter = None
@@ -61,6 +61,9 @@ class LlamaEngine:
                 template=self.template, eos_token=vocab._model.token_get_text(vocab.token_eos()),
                 bos_token=vocab._model.token_get_text(vocab.token_bos()), add_generation_prompt=True)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
+        self._path = path
+        self._threads = threads
+        self._embedder: Any = None
         self._turn = asyncio.Lock()
         self._busy = 0
 
@@ -166,16 +169,32 @@ class LlamaEngine:
                            prompt_seconds=first - started, generate_seconds=ended - first))
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
-        raise sdk.LocalmError(400, "This GGUF model is loaded for generation; use an embedding model",
-                              code="embeddings_unsupported")
+        """Mean-pooled, normalised hidden states, from a second context opened for embeddings."""
+        async with self._turn:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, texts)
+
+    def _embed(self, texts: list[str]) -> list[list[float]]:
+        if self._embedder is None:
+            import llama_cpp
+            self._embedder = llama_cpp.Llama(model_path=self._path, embedding=True, n_ctx=self.llm.n_ctx(),
+                                             n_threads=self._threads, n_batch=self.llm.n_ctx(),
+                                             pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, verbose=False)
+        window = self._embedder.n_ctx()
+        for text in texts:
+            size = len(self._embedder.tokenize(text.encode("utf-8")))
+            if size > window:
+                raise sdk.LocalmError(413, f"An input is {size} tokens; the model embeds at most {window}",
+                                      code="context_length_exceeded")
+        return [[float(x) for x in v] for v in self._embedder.embed(texts, normalize=True)]
 
     async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
         raise sdk.LocalmError(400, "Scoring on llama.cpp arrives with logprobs support")
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
-        if hasattr(self.llm, "close"):
-            self.llm.close()
+        for llm in (self.llm, self._embedder):
+            if llm is not None and hasattr(llm, "close"):
+                llm.close()
 
 
 @sdk.hookimpl

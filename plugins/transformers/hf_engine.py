@@ -1,0 +1,463 @@
+"""The transformers engine: Hugging Face model folders and GGUF files through PyTorch.
+
+Chat and base models load with ``AutoModelForCausalLM`` (a GGUF file is de-quantised to
+float32 by transformers on load); embedding models (a sentence-transformers folder, or
+any folder without a causal-LM head) load with ``AutoModel`` and pool as the folder
+declares. Everything runs on the CPU in float32 and reads local files only.
+
+Generation is a token-by-token loop over a KV cache in one worker thread, so a request
+that is cancelled stops within a token, and the cache of the last request is reused
+when the next prompt starts with the same tokens (a chat's earlier turns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import json
+import os
+import random
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import attrs
+
+from localm import sdk
+from localm.sdk import engines as spec
+
+#: How many recent tokens the repetition penalties look at (llama.cpp's default).
+PENALTY_LAST_N = 64
+#: Texts embedded in one forward pass.
+EMBED_BATCH = 32
+#: Tokens that end a turn in common chat templates, besides the model's declared EOS.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>",
+               "<|end|>", "<|return|>", "</s>")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^/\s'\"]+/)+([^/\s'\",:)]+)")
+
+
+@attrs.frozen
+class Settings:
+    n_ctx: int = sdk.setting(4096, min=256, description="Context window in tokens (at most the model's own)")
+    n_threads: int = sdk.setting(0, min=0, description="CPU threads for PyTorch (0: one per core)")
+    n_batch: int = sdk.setting(512, min=1, description="Prompt tokens processed per step")
+    attention: str = sdk.setting("sdpa", choices=["sdpa", "eager"],
+                                 description="Attention kernel (eager can be faster for short contexts)")
+
+
+def _threads(n: int) -> int:
+    if n > 0:
+        return n
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _redact(text: str, *places: str) -> str:
+    """An error message with the model's folder and every other absolute path cut to a base name."""
+    for place in sorted((p for p in places if p), key=len, reverse=True):
+        text = text.replace(place.rstrip("/") + "/", "").replace(place, os.path.basename(place.rstrip("/")))
+    return _ABSOLUTE_PATH.sub(r"\1", text)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class TransformersEngine:
+    engine = "transformers"
+
+    def __init__(self, path: str, kind: str, role: str, settings: dict[str, Any]) -> None:
+        self._path = path
+        name = os.path.basename(path.rstrip("/"))
+        self._name = name
+        try:
+            import torch
+            import transformers
+        except ImportError as exc:
+            raise spec.EngineError(f"transformers cannot be imported: {_first_line(exc)}") from exc
+        self._torch = torch
+        self._threads = _threads(settings["n_threads"])
+        torch.set_num_threads(self._threads)
+        transformers.utils.logging.disable_progress_bar()
+        if kind == "gguf":
+            folder, kwargs = os.path.dirname(path), {"gguf_file": name}
+        else:
+            folder, kwargs = path, {}
+        kwargs["local_files_only"] = True  # never the network: the registry holds local files only
+        self.embedding = role == "embedding"
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
+            load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
+            model_kwargs: dict[str, Any] = {**kwargs, "attn_implementation": settings["attention"]}
+            model_kwargs[self._dtype_kwarg(load)] = torch.float32
+            try:
+                self.model = load.from_pretrained(folder, **model_kwargs)
+            except (ValueError, ImportError) as exc:
+                if "attn" not in str(exc).lower() and "attention" not in str(exc).lower():
+                    raise
+                del model_kwargs["attn_implementation"]  # an architecture without that kernel
+                self.model = load.from_pretrained(folder, **model_kwargs)
+        except Exception as exc:
+            raise spec.EngineError(f"transformers could not load {name}: "
+                                   f"{_redact(_first_line(exc), path, folder)}") from exc
+        self.model.eval()
+        config = self.model.config
+        native = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+                  or getattr(config, "max_sequence_length", None))
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # several named templates: the default one renders chats
+            template = template.get("default") or next(iter(template.values()), None)
+        self.template = template if isinstance(template, str) and template else None
+        if self.embedding:
+            self._pooling = self._read_pooling(Path(folder))
+            limit = (_read_json(Path(folder) / "sentence_bert_config.json") or {}).get("max_seq_length")
+            window = min(x for x in (limit, native, getattr(self.tokenizer, "model_max_length", None), 512)
+                         if isinstance(x, int) and x > 0)
+        else:
+            window = min(settings["n_ctx"], native) if isinstance(native, int) and native > 0 else settings["n_ctx"]
+        self.capabilities = spec.Capabilities(
+            context_window=window, chat_template=bool(self.template), embeddings=self.embedding,
+            reasoning=bool(self.template and "<think>" in self.template),
+            tool_use=bool(self.template and "tools" in self.template))
+        self._n_ctx = window
+        self._n_batch = settings["n_batch"]
+        self._eog = self._end_tokens()
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._keep_kwarg = "logits_to_keep" if "logits_to_keep" in params else (
+            "num_logits_to_keep" if "num_logits_to_keep" in params else None)
+        self._cache: Any = None  # the KV cache of the last request and the tokens it holds
+        self._cached: list[int] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers",
+                                            initializer=torch.set_num_threads, initargs=(self._threads,))
+        self._turn = asyncio.Lock()
+        self._busy = 0
+
+    @staticmethod
+    def _dtype_kwarg(load: Any) -> str:
+        import transformers
+        major = int(transformers.__version__.split(".")[0])
+        return "dtype" if major >= 5 else "torch_dtype"
+
+    @staticmethod
+    def _read_pooling(folder: Path) -> str:
+        """The pooling a sentence-transformers folder declares ("mean" when it declares none)."""
+        modules = _read_json(folder / "modules.json") or []
+        for module in modules if isinstance(modules, list) else []:
+            if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+                config = _read_json(folder / module.get("path", "") / "config.json") or {}
+                for key, mode in (("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last"),
+                                  ("pooling_mode_max_tokens", "max"), ("pooling_mode_mean_sqrt_len_tokens", "sqrt"),
+                                  ("pooling_mode_mean_tokens", "mean")):
+                    if config.get(key):
+                        return mode
+        return "mean"
+
+    def _end_tokens(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.config, "eos_token_id", None),
+                       getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(i for i in source if isinstance(i, int))
+        specials = set(getattr(self.tokenizer, "all_special_tokens", []) or [])
+        for text in END_OF_TURN:
+            if text in specials:
+                token = self.tokenizer.convert_tokens_to_ids(text)
+                if isinstance(token, int) and token != self.tokenizer.unk_token_id:
+                    ids.add(token)
+        return ids
+
+    # --- text ------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        kwargs = {} if parse_special else {"split_special_tokens": True}
+        return list(self.tokenizer(text, add_special_tokens=add_special, **kwargs)["input_ids"])
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> str:
+        if self.template is None:
+            raise sdk.LocalmError(400, "This model has no chat template: use /v1/completions",
+                                  code="no_chat_template")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.template,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **(template_kwargs or {}))
+        except Exception as exc:  # the template itself refused these messages (jinja raise_exception)
+            raise sdk.LocalmError(400, f"The chat template could not render these messages: {_first_line(exc)}",
+                                  code="chat_template_error") from exc
+
+    # --- generation --------------------------------------------------------------------
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    async def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
+        if self.embedding:
+            raise sdk.LocalmError(400, "This is an embedding model: use /v1/embeddings", code="not_a_chat_model")
+        ahead = self._busy
+        self._busy += 1
+        try:
+            if ahead:
+                yield spec.Queued(ahead=ahead)
+            async with self._turn:
+                yield spec.Started(prompt_tokens=len(request.prompt))
+                async for event in self._run(request):
+                    yield event
+        finally:
+            self._busy -= 1
+
+    async def _run(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[spec.Event] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(event: spec.Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        future = loop.run_in_executor(self._executor, self._decode, request, cancel, emit)
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, spec.Finished):
+                    break
+        finally:
+            cancel.set()
+            # the model is free for the next request only once this decode loop has stopped
+            await asyncio.shield(future)
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers before 4.56
+            return DynamicCache()
+
+    def _forward(self, ids: list[int], cache: Any, last_only: bool = True) -> Any:
+        torch = self._torch
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
+        if last_only and self._keep_kwarg:
+            kwargs[self._keep_kwarg] = 1
+        out = self.model(torch.tensor([ids], dtype=torch.long), **kwargs)
+        return out.logits[0, -1].float()
+
+    def _prefill(self, prompt: list[int], reuse: bool, cancel: threading.Event) -> Any:
+        """Logits after ``prompt``, reusing the cached prefix of the last request when allowed;
+        None when cancelled first."""
+        start = 0
+        cache = self._cache
+        if reuse and cache is not None:
+            common = 0
+            for a, b in zip(self._cached, prompt):
+                if a != b:
+                    break
+                common += 1
+            start = min(common, len(prompt) - 1)  # at least one token runs, for its logits
+            try:
+                if start <= 0:
+                    raise ValueError("nothing to reuse")
+                if cache.get_seq_length() > start:
+                    cache.crop(start)
+            except Exception:  # an uncroppable cache (sliding windows) starts over
+                start, cache = 0, None
+        if not reuse or cache is None or start == 0:
+            start, cache = 0, self._new_cache()
+        self._cache, self._cached = cache, prompt[:start]
+        logits = None
+        for at in range(start, len(prompt), self._n_batch):
+            if cancel.is_set():
+                return None
+            chunk = prompt[at:at + self._n_batch]
+            logits = self._forward(chunk, cache)
+            self._cached = prompt[:at + len(chunk)]
+        return logits
+
+    def _decode(self, request: spec.GenerateRequest, cancel: threading.Event, emit: Callable[[spec.Event], None]) -> None:
+        torch = self._torch
+        s = request.sampling
+        prompt = list(request.prompt)
+        started = time.perf_counter()
+        first = None
+        n = 0
+        reason: spec.FinishReason = "length"
+        if not prompt:
+            emit(spec.Finished(reason="error", prompt_tokens=0, completion_tokens=0, error="The prompt is empty"))
+            return
+        if len(prompt) >= self._n_ctx:
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
+                               error=f"The prompt is {len(prompt)} tokens; the context window is {self._n_ctx}"))
+            return
+        generator = torch.Generator().manual_seed(s.seed if s.seed is not None else random.randrange(2**63))
+        generated: list[int] = []
+        prefix = read = 0  # incremental detokenization window over ``generated``
+        try:
+            with torch.inference_mode():
+                logits = self._prefill(prompt, request.cache_prompt, cancel)
+                while True:
+                    if cancel.is_set() or logits is None:
+                        reason = "cancelled"
+                        break
+                    token = self._pick(logits, prompt + generated, s, generator)
+                    if first is None:
+                        first = time.perf_counter()
+                    if token in self._eog:
+                        reason = "stop"
+                        break
+                    generated.append(token)
+                    n += 1
+                    before = self.detokenize(generated[prefix:read])
+                    after = self.detokenize(generated[prefix:])
+                    text = ""
+                    if len(after) > len(before) and not after.endswith("\ufffd"):
+                        text = after[len(before):]
+                        prefix, read = read, len(generated)
+                    emit(spec.Token(id=token, text=text))
+                    if (s.max_tokens is not None and n >= s.max_tokens) or len(prompt) + n >= self._n_ctx:
+                        reason = "length"
+                        break
+                    if cancel.is_set():
+                        reason = "cancelled"
+                        break
+                    logits = self._forward([token], self._cache)
+                    self._cached.append(token)
+        except Exception as exc:  # a failure inside the model after the stream opened
+            self._cache, self._cached = None, []
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=n,
+                               error=f"transformers: {_redact(_first_line(exc), self._path)}"))
+            return
+        if not request.cache_prompt:
+            self._cache, self._cached = None, []
+        ended = time.perf_counter()
+        first = first or ended
+        emit(spec.Finished(reason=reason, prompt_tokens=len(prompt), completion_tokens=n,
+                           prompt_seconds=first - started, generate_seconds=ended - first))
+
+    def _pick(self, logits: Any, history: list[int], s: spec.Sampling, generator: Any) -> int:
+        """The next token: penalties, then greedy (temperature 0) or top-k, top-p, min-p and
+        temperature before a seeded draw (llama.cpp's order)."""
+        torch = self._torch
+        logits = logits.clone()
+        if history and (s.repeat_penalty != 1.0 or s.frequency_penalty or s.presence_penalty):
+            ids, counts = torch.unique(torch.tensor(history[-PENALTY_LAST_N:], dtype=torch.long), return_counts=True)
+            ids, counts = ids[ids < logits.shape[0]], counts[ids < logits.shape[0]]
+            chosen = logits[ids]
+            if s.repeat_penalty != 1.0:
+                chosen = torch.where(chosen > 0, chosen / s.repeat_penalty, chosen * s.repeat_penalty)
+            chosen = chosen - counts.float() * s.frequency_penalty - (counts > 0).float() * s.presence_penalty
+            logits[ids] = chosen
+        if s.temperature <= 0:
+            return int(torch.argmax(logits))
+        if 0 < s.top_k < logits.shape[0]:
+            values, ids = torch.topk(logits, s.top_k)
+        else:
+            values, ids = torch.sort(logits, descending=True)
+        probs = torch.softmax(values, dim=0)
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if s.top_p < 1.0:
+            keep &= (torch.cumsum(probs, dim=0) - probs) < s.top_p
+        if s.min_p > 0.0:
+            keep &= probs >= s.min_p * probs[0]
+        keep[0] = True
+        values, ids = values[keep], ids[keep]
+        probs = torch.softmax(values / s.temperature, dim=0)
+        return int(ids[torch.multinomial(probs, 1, generator=generator)])
+
+    # --- embeddings and scores -----------------------------------------------------------
+    async def _exclusive(self, work: Callable[[], Any]) -> Any:
+        """Run ``work`` in the worker thread in its turn, like a generation."""
+        self._busy += 1
+        try:
+            async with self._turn:
+                return await asyncio.get_running_loop().run_in_executor(self._executor, work)
+        finally:
+            self._busy -= 1
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        if not self.embedding:
+            raise sdk.LocalmError(400, "This model is loaded for generation; use an embedding model",
+                                  code="embeddings_unsupported")
+        return await self._exclusive(lambda: self._embed(texts))
+
+    def _embed(self, texts: list[str]) -> list[list[float]]:
+        torch = self._torch
+        out: list[list[float]] = []
+        with torch.inference_mode():
+            for at in range(0, len(texts), EMBED_BATCH):
+                batch = self.tokenizer(texts[at:at + EMBED_BATCH], padding=True, truncation=True,
+                                       max_length=self._n_ctx, return_tensors="pt")
+                hidden = self.model(**batch).last_hidden_state
+                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                if self._pooling == "cls":
+                    pooled = hidden[:, 0]
+                elif self._pooling == "last":
+                    last = batch["attention_mask"].sum(dim=1) - 1
+                    pooled = hidden[torch.arange(hidden.shape[0]), last]
+                elif self._pooling == "max":
+                    pooled = hidden.masked_fill(mask == 0, float("-inf")).max(dim=1).values
+                else:
+                    summed = (hidden * mask).sum(dim=1)
+                    lengths = mask.sum(dim=1).clamp(min=1e-9)
+                    pooled = summed / (lengths.sqrt() if self._pooling == "sqrt" else lengths)
+                pooled = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+                out.extend(pooled.tolist())
+        return out
+
+    async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
+        if self.embedding:
+            raise sdk.LocalmError(400, "This is an embedding model: it does not predict tokens",
+                                  code="not_a_chat_model")
+        ids = list(prompt)
+        if not ids:
+            raise sdk.LocalmError(400, "The prompt is empty")
+        if len(ids) > self._n_ctx:
+            raise sdk.LocalmError(413, f"The prompt is {len(ids)} tokens; the context window is {self._n_ctx}",
+                                  code="context_length_exceeded")
+
+        def score() -> list[float]:
+            torch = self._torch
+            with torch.inference_mode():
+                cache = self._new_cache()
+                logits = None
+                for at in range(0, len(ids), self._n_batch):
+                    logits = self._forward(ids[at:at + self._n_batch], cache)
+                return torch.log_softmax(logits, dim=0).tolist()
+        return await self._exclusive(score)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._cache, self._cached = None, []
+        self.model = None
+        self.tokenizer = None
+        gc.collect()
+
+
+@sdk.hookimpl
+def register_settings(register):
+    register(Settings)
+
+
+@sdk.hookimpl
+def register_engines(register, plugin):
+    def load(entry: Any, options: dict[str, Any]) -> TransformersEngine:
+        return TransformersEngine(entry.path, entry.type, getattr(entry, "role", "chat"),
+                                  {**plugin.settings, **options})
+
+    register("transformers", load)
