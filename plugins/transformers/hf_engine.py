@@ -13,9 +13,12 @@ when the next prompt starts with the same tokens (a chat's earlier turns).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import gc
 import inspect
 import json
+import math
 import os
 import random
 import re
@@ -32,8 +35,6 @@ from localm.sdk import engines as spec
 
 #: How many recent tokens the repetition penalties look at (llama.cpp's default).
 PENALTY_LAST_N = 64
-#: Texts embedded in one forward pass.
-EMBED_BATCH = 32
 #: Tokens that end a turn in common chat templates, besides the model's declared EOS.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>",
                "<|end|>", "<|return|>", "</s>")
@@ -70,6 +71,51 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else exc.__class__.__name__
 
 
+_LOADING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _quick_gguf_load():
+    """Parse a GGUF file once per load, not once for the config, the weights and the tokenizer.
+
+    transformers opens a fresh ``gguf.GGUFReader`` (seconds for a 49k-token vocabulary) at
+    each step and rebuilds gguf's tensor-name map for every module; both are pure, so they
+    are memoised for the duration of one load, and its progress bar is silenced.
+    """
+    with _LOADING:
+        try:
+            import gguf
+            from transformers import modeling_gguf_pytorch_utils as hf_gguf
+        except ImportError:
+            yield
+            return
+        saved = {name: getattr(gguf, name, None) for name in ("GGUFReader", "get_tensor_name_map")}
+        saved_tqdm = getattr(hf_gguf, "tqdm", None)
+        readers: dict[Any, Any] = {}
+
+        def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+            key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+            if key not in readers:
+                readers[key] = saved["GGUFReader"](path, *args, **kwargs)
+            return readers[key]
+
+        try:
+            if saved["GGUFReader"] is not None:
+                gguf.GGUFReader = reader
+            if saved["get_tensor_name_map"] is not None:
+                gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved["get_tensor_name_map"])
+            if saved_tqdm is not None:
+                hf_gguf.tqdm = functools.partial(saved_tqdm, disable=True)
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is not None:
+                    setattr(gguf, name, value)
+            if saved_tqdm is not None:
+                hf_gguf.tqdm = saved_tqdm
+            readers.clear()
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -100,17 +146,9 @@ class TransformersEngine:
         kwargs["local_files_only"] = True  # never the network: the registry holds local files only
         self.embedding = role == "embedding"
         try:
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
-            load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
-            model_kwargs: dict[str, Any] = {**kwargs, "attn_implementation": settings["attention"]}
-            model_kwargs[self._dtype_kwarg(load)] = torch.float32
-            try:
-                self.model = load.from_pretrained(folder, **model_kwargs)
-            except (ValueError, ImportError) as exc:
-                if "attn" not in str(exc).lower() and "attention" not in str(exc).lower():
-                    raise
-                del model_kwargs["attn_implementation"]  # an architecture without that kernel
-                self.model = load.from_pretrained(folder, **model_kwargs)
+            with _quick_gguf_load() if kind == "gguf" else contextlib.nullcontext():
+                self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
+                self.model = self._load_model(transformers, folder, kwargs, settings["attention"])
         except Exception as exc:
             raise spec.EngineError(f"transformers could not load {name}: "
                                    f"{_redact(_first_line(exc), path, folder)}") from exc
@@ -130,7 +168,7 @@ class TransformersEngine:
         else:
             window = min(settings["n_ctx"], native) if isinstance(native, int) and native > 0 else settings["n_ctx"]
         self.capabilities = spec.Capabilities(
-            context_window=window, chat_template=bool(self.template), embeddings=self.embedding,
+            context_window=window, chat_template=bool(self.template), embeddings=True,
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template))
         self._n_ctx = window
@@ -147,11 +185,17 @@ class TransformersEngine:
         self._turn = asyncio.Lock()
         self._busy = 0
 
-    @staticmethod
-    def _dtype_kwarg(load: Any) -> str:
-        import transformers
-        major = int(transformers.__version__.split(".")[0])
-        return "dtype" if major >= 5 else "torch_dtype"
+    def _load_model(self, transformers: Any, folder: str, kwargs: dict[str, Any], attention: str) -> Any:
+        load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
+        dtype = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        options: dict[str, Any] = {**kwargs, dtype: self._torch.float32, "attn_implementation": attention}
+        try:
+            return load.from_pretrained(folder, **options)
+        except (ValueError, ImportError) as exc:
+            if "attention" not in str(exc).lower() and "attn" not in str(exc).lower():
+                raise
+            del options["attn_implementation"]  # an architecture without that attention kernel
+            return load.from_pretrained(folder, **options)
 
     @staticmethod
     def _read_pooling(folder: Path) -> str:
@@ -391,33 +435,41 @@ class TransformersEngine:
             self._busy -= 1
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
+        """One normalised vector per text: pooled as an embedding model declares, or the mean of a
+        generative model's final hidden states (as llama.cpp embeds a GGUF chat model)."""
         if not self.embedding:
-            raise sdk.LocalmError(400, "This model is loaded for generation; use an embedding model",
-                                  code="embeddings_unsupported")
+            for text in texts:
+                size = len(self.tokenize(text))
+                if size > self._n_ctx:
+                    raise sdk.LocalmError(413, f"An input is {size} tokens; the model embeds at most {self._n_ctx}",
+                                          code="context_length_exceeded")
         return await self._exclusive(lambda: self._embed(texts))
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
+        # one text a pass, unpadded: a text's vector never depends on the others in its request
         torch = self._torch
         out: list[list[float]] = []
         with torch.inference_mode():
-            for at in range(0, len(texts), EMBED_BATCH):
-                batch = self.tokenizer(texts[at:at + EMBED_BATCH], padding=True, truncation=True,
-                                       max_length=self._n_ctx, return_tensors="pt")
-                hidden = self.model(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            for text in texts:
+                if not self.embedding:  # a generative model: the mean of its final hidden states
+                    base = getattr(self.model, "base_model", None) or self.model
+                    ids = self.tokenize(text) or [self.tokenizer.eos_token_id or 0]
+                    hidden = base(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False).last_hidden_state
+                    out.append(torch.nn.functional.normalize(hidden[0].float().mean(dim=0), p=2, dim=0).tolist())
+                    continue
+                batch = self.tokenizer([text], truncation=True, max_length=self._n_ctx, return_tensors="pt")
+                hidden = self.model(**batch).last_hidden_state[0].float()
                 if self._pooling == "cls":
-                    pooled = hidden[:, 0]
+                    pooled = hidden[0]
                 elif self._pooling == "last":
-                    last = batch["attention_mask"].sum(dim=1) - 1
-                    pooled = hidden[torch.arange(hidden.shape[0]), last]
+                    pooled = hidden[-1]
                 elif self._pooling == "max":
-                    pooled = hidden.masked_fill(mask == 0, float("-inf")).max(dim=1).values
+                    pooled = hidden.max(dim=0).values
+                elif self._pooling == "sqrt":
+                    pooled = hidden.sum(dim=0) / math.sqrt(hidden.shape[0])
                 else:
-                    summed = (hidden * mask).sum(dim=1)
-                    lengths = mask.sum(dim=1).clamp(min=1e-9)
-                    pooled = summed / (lengths.sqrt() if self._pooling == "sqrt" else lengths)
-                pooled = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
-                out.extend(pooled.tolist())
+                    pooled = hidden.mean(dim=0)
+                out.append(torch.nn.functional.normalize(pooled, p=2, dim=0).tolist())
         return out
 
     async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:

@@ -48,6 +48,14 @@ async def _prepared(host: Any, name: str | None, render: Any) -> tuple[Any, list
     return entry, prompt
 
 
+async def _collect(host: Any, model: str, prompt: list[int], common: Any, received: float,
+                   outcome: pipeline.Outcome) -> str:
+    """A whole reply, for a non-streaming request."""
+    async with host.models.use(model) as resident:
+        pieces = pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics)
+        return "".join([item.text async for item in pieces if isinstance(item, pipeline.Piece)])
+
+
 # --- chat completions ------------------------------------------------------------------
 
 @sdk.post("/v1/chat/completions", scope=None, access="inference", error_family="openai",
@@ -75,9 +83,7 @@ async def chat_completions(request: sdk.Request) -> Any:
     outcome = pipeline.Outcome()
 
     if not common.stream:
-        async with host.models.use(entry.id) as resident:
-            text = "".join([piece.text async for piece in pipeline.run(resident.engine, prompt, common, received,
-                                                                          outcome) if isinstance(piece, pipeline.Piece)])
+        text = await _collect(host, entry.id, prompt, common, received, outcome)
         message = {"role": "assistant", "content": text}
         for _, changed in await host.run_hook("chat_outlet", response=message, context={"route": "chat.completions"}):
             if isinstance(changed, dict):
@@ -97,7 +103,7 @@ async def chat_completions(request: sdk.Request) -> Any:
         yield chunk({"role": "assistant", "content": ""})
         try:
             async with host.models.use(entry.id) as resident:
-                async for item in pipeline.run(resident.engine, prompt, common, received, outcome):
+                async for item in pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics):
                     if isinstance(item, pipeline.Piece):
                         yield chunk({"content": item.text})
                     elif item.code == "waiting":
@@ -145,9 +151,7 @@ async def completions(request: sdk.Request) -> Any:
     outcome = pipeline.Outcome()
 
     if not common.stream:
-        async with host.models.use(entry.id) as resident:
-            text = "".join([p.text async for p in pipeline.run(resident.engine, prompt, common, received, outcome)
-                            if isinstance(p, pipeline.Piece)])
+        text = await _collect(host, entry.id, prompt, common, received, outcome)
         return {"id": ident, "object": "text_completion", "created": created, "model": shown,
                 "choices": [{"index": 0, "text": (prompt_text + text) if echo else text, "logprobs": None,
                              "finish_reason": outcome.finish_reason, "stop_sequence": outcome.stop_sequence}],
@@ -163,7 +167,7 @@ async def completions(request: sdk.Request) -> Any:
             yield chunk(prompt_text)
         try:
             async with host.models.use(entry.id) as resident:
-                async for item in pipeline.run(resident.engine, prompt, common, received, outcome):
+                async for item in pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics):
                     if isinstance(item, pipeline.Piece):
                         yield chunk(item.text)
         except sdk.LocalmError as exc:

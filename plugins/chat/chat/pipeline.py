@@ -82,9 +82,21 @@ def check_fits(prompt_tokens: int, window: int) -> None:
                               code="context_length_exceeded")
 
 
-async def run(engine: Any, prompt: list[int], common: Any, received: float,
-              outcome: Outcome) -> AsyncIterator[Status | Piece]:
-    """Generate, yielding status and text; fills ``outcome`` as it goes."""
+async def run(engine: Any, prompt: list[int], common: Any, received: float, outcome: Outcome,
+              metrics: Any = None) -> AsyncIterator[Status | Piece]:
+    """Generate, yielding status and text; fills ``outcome`` as it goes (and the metrics, when on)."""
+    try:
+        async for item in _run(engine, prompt, common, received, outcome):
+            yield item
+    finally:
+        if metrics is not None and outcome.ttft_ms is not None:
+            metrics.observe_generation(prompt_tokens=outcome.prompt_tokens,
+                                       generated_tokens=outcome.completion_tokens,
+                                       ttft=outcome.ttft_ms / 1000, tokens_per_sec=outcome.tokens_per_sec)
+
+
+async def _run(engine: Any, prompt: list[int], common: Any, received: float,
+               outcome: Outcome) -> AsyncIterator[Status | Piece]:
     outcome.prompt_tokens = len(prompt)
     outcome.context_capacity = engine.capabilities.context_window
     cutter = StopCutter(common.stops)
