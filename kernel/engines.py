@@ -21,7 +21,10 @@ the caller) stops the generation within a token or two and frees the engine.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Literal, Protocol, Sequence, runtime_checkable
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import attrs
 
@@ -131,3 +134,57 @@ class Engine(Protocol):
 
 class EngineError(Exception):
     """A model that cannot be loaded or run; the message never names absolute paths."""
+
+
+class Serial:
+    """One decode at a time, in arrival order, on a thread of its own.
+
+    An engine that decodes one request at a time hands each request to ``generate`` with
+    a blocking ``decode(request, cancelled, emit)`` function; ``decode`` runs on the
+    engine's thread, calls ``emit(event)`` for each Token and ends with a Finished, and
+    checks ``cancelled.is_set()`` between tokens. The consumer closing the event stream
+    sets ``cancelled``, and the next request starts only once ``decode`` has returned.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._turn = asyncio.Lock()
+        self.busy = 0
+
+    async def generate(self, request: GenerateRequest,
+                       decode: Callable[[GenerateRequest, threading.Event, Callable[[Event], None]], None],
+                       ) -> AsyncIterator[Event]:
+        ahead = self.busy
+        self.busy += 1
+        try:
+            if ahead:
+                yield Queued(ahead=ahead)
+            async with self._turn:
+                yield Started(prompt_tokens=len(request.prompt))
+                loop = asyncio.get_running_loop()
+                events: asyncio.Queue[Event] = asyncio.Queue()
+                cancelled = threading.Event()
+
+                def emit(event: Event) -> None:
+                    loop.call_soon_threadsafe(events.put_nowait, event)
+
+                future = loop.run_in_executor(self._executor, decode, request, cancelled, emit)
+                try:
+                    while True:
+                        event = await events.get()
+                        yield event
+                        if isinstance(event, Finished):
+                            break
+                finally:
+                    cancelled.set()
+                    await asyncio.shield(future)
+        finally:
+            self.busy -= 1
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the engine's thread, in turn with generations."""
+        async with self._turn:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

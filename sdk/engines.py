@@ -10,9 +10,10 @@ from localm.kernel.engines import (
     GenerateRequest,
     Queued,
     Sampling,
+    Serial,
     Started,
     Token,
 )
 
 __all__ = ["Capabilities", "Engine", "EngineError", "Event", "Finished", "FinishReason", "GenerateRequest",
-           "Queued", "Sampling", "Started", "Token"]
+           "Queued", "Sampling", "Serial", "Started", "Token"]

@@ -7,13 +7,11 @@ docs/engines.md, or `.ci/run`).
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import os
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Sequence
 
 import attrs
@@ -60,12 +58,10 @@ class LlamaEngine:
             self._formatter = Jinja2ChatFormatter(
                 template=self.template, eos_token=vocab._model.token_get_text(vocab.token_eos()),
                 bos_token=vocab._model.token_get_text(vocab.token_bos()), add_generation_prompt=True)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
+        self._serial = spec.Serial("llamacpp")
         self._path = path
         self._threads = threads
         self._embedder: Any = None
-        self._turn = asyncio.Lock()
-        self._busy = 0
 
     # --- text ------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -85,7 +81,7 @@ class LlamaEngine:
     # --- generation --------------------------------------------------------------------
     @property
     def busy(self) -> int:
-        return self._busy
+        return self._serial.busy
 
     def _is_eog(self, token: int) -> bool:
         import llama_cpp
@@ -95,38 +91,8 @@ class LlamaEngine:
             return bool(llama_cpp.llama_vocab_is_eog(vocab, token))
         return token == self.llm.token_eos()
 
-    async def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
-        ahead = self._busy
-        self._busy += 1
-        try:
-            if ahead:
-                yield spec.Queued(ahead=ahead)
-            async with self._turn:
-                yield spec.Started(prompt_tokens=len(request.prompt))
-                async for event in self._run(request):
-                    yield event
-        finally:
-            self._busy -= 1
-
-    async def _run(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[spec.Event] = asyncio.Queue()
-        cancel = threading.Event()
-
-        def emit(event: spec.Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        future = loop.run_in_executor(self._executor, self._decode, request, cancel, emit)
-        try:
-            while True:
-                event = await events.get()
-                yield event
-                if isinstance(event, spec.Finished):
-                    break
-        finally:
-            cancel.set()
-            # the model is free for the next request only once this decode loop has stopped
-            await asyncio.shield(future)
+    def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
+        return self._serial.generate(request, self._decode)
 
     def _decode(self, request: spec.GenerateRequest, cancel: threading.Event, emit: Any) -> None:
         s = request.sampling
@@ -170,8 +136,7 @@ class LlamaEngine:
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         """Mean-pooled, normalised hidden states, from a second context opened for embeddings."""
-        async with self._turn:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._embed, texts)
+        return await self._serial.call(self._embed, texts)
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
         if self._embedder is None:
@@ -191,7 +156,7 @@ class LlamaEngine:
         raise sdk.LocalmError(400, "Scoring on llama.cpp arrives with logprobs support")
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._serial.close()
         for llm in (self.llm, self._embedder):
             if llm is not None and hasattr(llm, "close"):
                 llm.close()
