@@ -146,8 +146,9 @@ class Serial:
     sets ``cancelled``, and the next request starts only once ``decode`` has returned.
     """
 
-    def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, *, initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=initializer,
+                                            initargs=initargs)
         self._turn = asyncio.Lock()
         self.busy = 0
 
@@ -183,8 +184,12 @@ class Serial:
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the engine's thread, in turn with generations."""
-        async with self._turn:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self.busy += 1
+        try:
+            async with self._turn:
+                return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self.busy -= 1
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -12,7 +12,6 @@ when the next prompt starts with the same tokens (a chat's earlier turns).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import gc
@@ -24,7 +23,6 @@ import random
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -66,9 +64,12 @@ def _redact(text: str, *places: str) -> str:
     return _ABSOLUTE_PATH.sub(r"\1", text)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else exc.__class__.__name__
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line of at most ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[:limit - 1].rstrip() + "…"
+    return text or exc.__class__.__name__
 
 
 _LOADING = threading.Lock()
@@ -180,10 +181,10 @@ class TransformersEngine:
             "num_logits_to_keep" if "num_logits_to_keep" in params else None)
         self._cache: Any = None  # the KV cache of the last request and the tokens it holds
         self._cached: list[int] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers",
-                                            initializer=torch.set_num_threads, initargs=(self._threads,))
-        self._turn = asyncio.Lock()
-        self._busy = 0
+        self._serial = spec.Serial("transformers", initializer=torch.set_num_threads, initargs=(self._threads,))
+        # a fast tokenizer is not safe to use from two threads at once (its truncation settings
+        # are mutable state): the event loop and the worker take turns
+        self._tokenizing = threading.Lock()
 
     def _load_model(self, transformers: Any, folder: str, kwargs: dict[str, Any], attention: str) -> Any:
         load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
@@ -229,11 +230,16 @@ class TransformersEngine:
 
     # --- text ------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        kwargs = {} if parse_special else {"split_special_tokens": True}
-        return list(self.tokenizer(text, add_special_tokens=add_special, **kwargs)["input_ids"])
+        kwargs: dict[str, Any] = {} if parse_special else {"split_special_tokens": True}
+        bos = self.tokenizer.bos_token
+        if add_special and parse_special and bos and text.startswith(bos):
+            add_special = False  # a chat template that writes the BOS itself: never two
+        with self._tokenizing:
+            return list(self.tokenizer(text, add_special_tokens=add_special, **kwargs)["input_ids"])
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        with self._tokenizing:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     template_kwargs: dict | None = None) -> str:
@@ -251,42 +257,12 @@ class TransformersEngine:
     # --- generation --------------------------------------------------------------------
     @property
     def busy(self) -> int:
-        return self._busy
+        return self._serial.busy
 
-    async def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
+    def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
         if self.embedding:
             raise sdk.LocalmError(400, "This is an embedding model: use /v1/embeddings", code="not_a_chat_model")
-        ahead = self._busy
-        self._busy += 1
-        try:
-            if ahead:
-                yield spec.Queued(ahead=ahead)
-            async with self._turn:
-                yield spec.Started(prompt_tokens=len(request.prompt))
-                async for event in self._run(request):
-                    yield event
-        finally:
-            self._busy -= 1
-
-    async def _run(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[spec.Event] = asyncio.Queue()
-        cancel = threading.Event()
-
-        def emit(event: spec.Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        future = loop.run_in_executor(self._executor, self._decode, request, cancel, emit)
-        try:
-            while True:
-                event = await events.get()
-                yield event
-                if isinstance(event, spec.Finished):
-                    break
-        finally:
-            cancel.set()
-            # the model is free for the next request only once this decode loop has stopped
-            await asyncio.shield(future)
+        return self._serial.generate(request, self._decode)
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -334,7 +310,8 @@ class TransformersEngine:
             self._cached = prompt[:at + len(chunk)]
         return logits
 
-    def _decode(self, request: spec.GenerateRequest, cancel: threading.Event, emit: Callable[[spec.Event], None]) -> None:
+    def _decode(self, request: spec.GenerateRequest, cancel: threading.Event,
+                emit: Callable[[spec.Event], None]) -> None:
         torch = self._torch
         s = request.sampling
         prompt = list(request.prompt)
@@ -349,7 +326,8 @@ class TransformersEngine:
             emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
                                error=f"The prompt is {len(prompt)} tokens; the context window is {self._n_ctx}"))
             return
-        generator = torch.Generator().manual_seed(s.seed if s.seed is not None else random.randrange(2**63))
+        generator = torch.Generator().manual_seed(
+            (s.seed if s.seed is not None else random.randrange(2**63)) & 0x7FFF_FFFF_FFFF_FFFF)
         generated: list[int] = []
         prefix = read = 0  # incremental detokenization window over ``generated``
         try:
@@ -425,15 +403,6 @@ class TransformersEngine:
         return int(ids[torch.multinomial(probs, 1, generator=generator)])
 
     # --- embeddings and scores -----------------------------------------------------------
-    async def _exclusive(self, work: Callable[[], Any]) -> Any:
-        """Run ``work`` in the worker thread in its turn, like a generation."""
-        self._busy += 1
-        try:
-            async with self._turn:
-                return await asyncio.get_running_loop().run_in_executor(self._executor, work)
-        finally:
-            self._busy -= 1
-
     async def embed(self, texts: list[str]) -> list[list[float]]:
         """One normalised vector per text: pooled as an embedding model declares, or the mean of a
         generative model's final hidden states (as llama.cpp embeds a GGUF chat model)."""
@@ -443,7 +412,7 @@ class TransformersEngine:
                 if size > self._n_ctx:
                     raise sdk.LocalmError(413, f"An input is {size} tokens; the model embeds at most {self._n_ctx}",
                                           code="context_length_exceeded")
-        return await self._exclusive(lambda: self._embed(texts))
+        return await self._serial.call(lambda: self._embed(texts))
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
         # one text a pass, unpadded: a text's vector never depends on the others in its request
@@ -457,7 +426,8 @@ class TransformersEngine:
                     hidden = base(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False).last_hidden_state
                     out.append(torch.nn.functional.normalize(hidden[0].float().mean(dim=0), p=2, dim=0).tolist())
                     continue
-                batch = self.tokenizer([text], truncation=True, max_length=self._n_ctx, return_tensors="pt")
+                with self._tokenizing:
+                    batch = self.tokenizer([text], truncation=True, max_length=self._n_ctx, return_tensors="pt")
                 hidden = self.model(**batch).last_hidden_state[0].float()
                 if self._pooling == "cls":
                     pooled = hidden[0]
@@ -491,10 +461,10 @@ class TransformersEngine:
                 for at in range(0, len(ids), self._n_batch):
                     logits = self._forward(ids[at:at + self._n_batch], cache)
                 return torch.log_softmax(logits, dim=0).tolist()
-        return await self._exclusive(score)
+        return await self._serial.call(score)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        self._serial.close()
         self._cache, self._cached = None, []
         self.model = None
         self.tokenizer = None
