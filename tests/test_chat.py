@@ -17,6 +17,9 @@ from localm.sdk.testing import LocalmServer
 pytest.importorskip("llama_cpp")
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "Write one sentence about the sea."}]
+# llama.cpp's numbers depend slightly on how many prompt tokens one step computes, so a
+# reply that reuses the KV cache can differ from a fresh one: comparisons compute afresh
+FRESH = {"cache_prompt": False}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,8 @@ def client(server: LocalmServer) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def greedy(client: openai.OpenAI) -> str:
-    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40)
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40,
+                                       extra_body=FRESH)
     return r.choices[0].message.content
 
 
@@ -62,7 +66,7 @@ def test_chat_non_streaming(client: openai.OpenAI) -> None:
 
 def test_streaming_matches_non_streaming(client: openai.OpenAI, greedy: str) -> None:
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40,
-                                            stream=True)
+                                            stream=True, extra_body=FRESH)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -83,11 +87,12 @@ def test_stop_sequence_cuts_in_both_modes(client: openai.OpenAI, greedy: str) ->
     words = greedy.split()
     stop = " " + words[len(words) // 2]
     expected = greedy[: greedy.index(stop)]
-    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40, stop=[stop])
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40, stop=[stop],
+                                       extra_body=FRESH)
     assert r.choices[0].message.content == expected
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_sequence"] == stop
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40,
-                                                 stop=stop, stream=True))
+                                                 stop=stop, stream=True, extra_body=FRESH))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert chunks[-1].choices[0].model_extra["stop_sequence"] == stop
@@ -96,7 +101,7 @@ def test_stop_sequence_cuts_in_both_modes(client: openai.OpenAI, greedy: str) ->
 def test_same_seed_same_text(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=1.0, seed=seed,
-                                           max_tokens=25)
+                                           max_tokens=25, extra_body=FRESH)
         return r.choices[0].message.content
 
     assert sample(7) == sample(7)
@@ -146,17 +151,19 @@ def test_developer_role_is_read_as_system(client: openai.OpenAI) -> None:
 
 
 def test_completions(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  extra_body=FRESH)
     text = r.choices[0].text
     assert text and r.usage.completion_tokens <= 6
     echoed = client.completions.create(model=MODEL, prompt=["The capital of France is"], max_tokens=6,
-                                       temperature=0, echo=True)
+                                       temperature=0, echo=True, extra_body=FRESH)
     assert echoed.choices[0].text == "The capital of France is" + text
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True) if c.choices)
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True,
+        extra_body=FRESH) if c.choices)
     assert streamed == text
     cut = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
-                                    stop=[text.split()[-1]])
+                                    stop=[text.split()[-1]], extra_body=FRESH)
     assert cut.choices[0].finish_reason == "stop" and text.startswith(cut.choices[0].text)
 
 
@@ -263,3 +270,40 @@ def test_serve_a_gguf_file_by_path(tmp_path: Path) -> None:
         assert s.owner().get("/v1/models/my-model").json()["loaded"] is True
     finally:
         s.stop()
+
+
+def test_unload_waits_for_a_running_request_and_refuses_new_ones(server: LocalmServer) -> None:
+    owner = server.owner()
+    owner.post("/v1/models/load", params={"model": MODEL})
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 30, "stream": True, "temperature": 1.0,
+            "seed": 3}
+    started = threading.Event()
+    streamed: list[dict[str, Any]] = []
+    unloaded: list[dict[str, Any]] = []
+
+    def stream() -> None:
+        for chunk in sse(server, "/v1/chat/completions", body):
+            streamed.append(chunk)
+            started.set()
+
+    def unload() -> None:
+        unloaded.append(server.owner().post("/v1/models/unload", params={"model": MODEL}, timeout=60).json())
+
+    a = threading.Thread(target=stream)
+    a.start()
+    assert started.wait(60)
+    b = threading.Thread(target=unload)
+    b.start()
+    refused = None
+    deadline = time.monotonic() + 30
+    while b.is_alive() and time.monotonic() < deadline:
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})
+        if r.status_code == 503:
+            refused = r.json()
+            break
+        time.sleep(0.02)
+    a.join(60)
+    b.join(60)
+    assert refused is not None and refused["code"] == "model_busy"
+    assert streamed[-1]["choices"][0]["finish_reason"] in ("stop", "length")  # the running reply finished
+    assert unloaded == [{"status": "unloaded", "model": MODEL, "was_active": True}]

@@ -149,6 +149,25 @@ def test_stop_sequence_cuts_the_text(client: Any, greedy: Any) -> None:
     r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30, stop=[stop])
     assert r.choices[0].message.content == expected
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_sequence"] == stop
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30,
+                                                 stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_the_window_is_413(client: Any, stream: bool) -> None:
+    import openai
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sea " * 5000}],
+                                       max_tokens=5, stream=stream)
+    assert err.value.status_code == 413 and err.value.response.json()["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(client: Any) -> None:
+    import openai
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=QUESTION)
 
 
 def test_completions_with_penalties(client: Any) -> None:
