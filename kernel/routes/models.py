@@ -45,6 +45,7 @@ async def read_model(request: Request, model_id: str) -> dict[str, Any]:
         out["context_capacity"] = resident.engine.capabilities.context_window
         out["busy"] = resident.engine.busy  # requests running or queued on it
         out["in_flight"] = resident.in_flight  # requests holding it (a load or an unload waits for them)
+        out["unloading"] = resident.unloading
     return out
 
 
