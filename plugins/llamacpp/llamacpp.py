@@ -59,9 +59,20 @@ class LlamaEngine:
                 template=self.template, eos_token=vocab._model.token_get_text(vocab.token_eos()),
                 bos_token=vocab._model.token_get_text(vocab.token_bos()), add_generation_prompt=True)
         self._serial = spec.Serial("llamacpp")
+        self._eog = self._end_of_generation_check()
         self._path = path
         self._threads = threads
         self._embedder: Any = None
+
+    def _end_of_generation_check(self) -> Any:
+        """A fast per-token test for end-of-generation tokens (EOS, end of turn)."""
+        import llama_cpp
+        vocab = getattr(self.llm._model, "vocab", None)
+        if vocab is not None and hasattr(llama_cpp, "llama_vocab_is_eog"):
+            is_eog = llama_cpp.llama_vocab_is_eog
+            return lambda token: bool(is_eog(vocab, token))
+        eos = self.llm.token_eos()
+        return lambda token: token == eos
 
     # --- text ------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -84,12 +95,7 @@ class LlamaEngine:
         return self._serial.busy
 
     def _is_eog(self, token: int) -> bool:
-        import llama_cpp
-        model = self.llm._model
-        vocab = getattr(model, "vocab", None)
-        if vocab is not None and hasattr(llama_cpp, "llama_vocab_is_eog"):
-            return bool(llama_cpp.llama_vocab_is_eog(vocab, token))
-        return token == self.llm.token_eos()
+        return self._eog(token)
 
     def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
         return self._serial.generate(request, self._decode)
