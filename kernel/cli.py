@@ -319,7 +319,7 @@ def plugin_install_deps(obj: Ctx, name: str) -> None:
             click.echo("All requirements are already installed.")
         else:
             async def go() -> None:
-                async for line in deps.pip_install(wanted):
+                async for line in deps.pip_install(wanted, p.manifest.pip_env if p.manifest else None):
                     click.echo(line)
             try:
                 asyncio.run(go())

@@ -35,11 +35,16 @@ def missing(requirements: Iterable[str]) -> list[str]:
     return out
 
 
-async def pip_install(requirements: list[str]) -> AsyncIterator[str]:
-    """Run pip and yield its output lines; raise RuntimeError when pip fails."""
+async def pip_install(requirements: list[str], build_env: dict[str, str] | None = None) -> AsyncIterator[str]:
+    """Run pip and yield its output lines; raise RuntimeError when pip fails.
+
+    ``build_env`` (a plugin's ``pip_env``) is added to pip's environment, and then pip
+    skips its cache, so a wheel built with other settings is never reused.
+    """
+    cache = ["--no-cache-dir"] if build_env else []
     cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
-           *requirements]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PIP_NO_INPUT="1")
+           *cache, *requirements]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PIP_NO_INPUT="1", **(build_env or {}))
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT, env=env)
     assert proc.stdout is not None

@@ -11,6 +11,7 @@ entry = "hello"              # module (or package) inside the plugin folder
 scopes = ["hello"]           # scopes this plugin introduces
 requires = []                # plugins that must be active first
 requirements = ["humanize>=4"]   # pip requirements (installed by `localm plugin install-deps`)
+pip_env = {}                 # environment for building them (e.g. CMAKE_ARGS); set: pip skips its cache
 protected = false            # true: cannot be disabled or uninstalled
 ships_disabled = false       # true: installed but off until enabled
 commands = ["hello"]         # CLI command names it adds (`localm hello ...`)
@@ -102,6 +103,7 @@ class Manifest:
     requires: tuple[str, ...] = attrs.field(default=(), validator=_check_ids)
     requirements: tuple[str, ...] = attrs.field(default=(), validator=_check_requirements)
     requires_extras: tuple[str, ...] = ()
+    pip_env: dict[str, str] = attrs.field(factory=dict)
     protected: bool = False
     ships_disabled: bool = False
     commands: tuple[str, ...] = ()
@@ -127,6 +129,13 @@ def _converter() -> cattrs.Converter:
         return tuple(v)
 
     conv.register_structure_hook_func(lambda t: t == tuple[str, ...], _strs)
+
+    def _env(v: Any, _: Any) -> dict[str, str]:
+        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()):
+            raise ValueError("expected a table of strings")
+        return dict(v)
+
+    conv.register_structure_hook_func(lambda t: t == dict[str, str], _env)
     return conv
 
 

@@ -23,6 +23,7 @@ description = "A demo"
 scopes = ["demo", "demo:write"]
 requires = ["chat"]
 requirements = ["humanize>=4", "numpy; python_version < '3'"]
+pip_env = { CMAKE_ARGS = "-DGGML_NATIVE=OFF" }
 protected = true
 ships_disabled = true
 commands = ["demo"]
@@ -32,6 +33,7 @@ icon = "star"
 '''))
     assert m.id == "demo" and m.scope == "demo" and m.requires == ("chat",) and m.protected and m.ships_disabled
     assert m.requirements == ("humanize>=4", "numpy; python_version < '3'")
+    assert m.pip_env == {"CMAKE_ARGS": "-DGGML_NATIVE=OFF"}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -46,6 +48,7 @@ icon = "star"
     (BASE + 'requirements = ["not a requirement!!"]\n', "field 'requirements': 'not a requirement!!' is not"),
     (BASE + 'protected = "yes"\n', "field 'protected': expected true or false"),
     (BASE + 'colour = "red"\n', "unknown field(s) 'colour'"),
+    (BASE + 'pip_env = { CMAKE_ARGS = 1 }\n', "field 'pip_env': expected a table of strings"),
     ('id = "demo"\nversion = \n', "not valid TOML"),
 ])
 def test_malformed_manifests(tmp_path: Path, text: str, message: str) -> None:

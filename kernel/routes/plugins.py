@@ -104,7 +104,7 @@ def start_deps_install(k: Any, name: str, owner: str) -> Any:
         ctx.log("Installing: " + " ".join(wanted))
         error = None
         try:
-            async for line in deps.pip_install(wanted):
+            async for line in deps.pip_install(wanted, p.manifest.pip_env if p.manifest else None):
                 ctx.log(line)
         except RuntimeError as exc:
             error = str(exc)
