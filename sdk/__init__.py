@@ -29,7 +29,7 @@ from localm.kernel.host import Host
 from localm.kernel.hookspecs import hookimpl
 from localm.kernel.jobs import JobCancelled, JobContext
 from localm.kernel.plugins import PluginContext
-from localm.kernel.routes.common import sse
+from localm.kernel.routes.common import EventStream, sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
 from localm.kernel.settings import FieldSpec, setting
 
@@ -52,7 +52,7 @@ def plugin_of(request: Request) -> PluginContext:
 __all__ = [
     "hookimpl",
     # routes
-    "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "sse",
+    "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "EventStream", "sse",
     "caller", "Principal", "host_of", "plugin_of",
     # errors
     "LocalmError",

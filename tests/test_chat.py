@@ -304,3 +304,53 @@ def test_unload_waits_for_a_running_request_and_refuses_new_ones(server: LocalmS
     b.join(60)
     assert refused is not None and refused["code"] == "model_busy"
     assert unloaded == [{"status": "unloaded", "model": MODEL, "was_active": True}]
+
+
+def test_ignored_fields_are_reported_and_strict_mode_refuses_them(server: LocalmServer) -> None:
+    import http_sfv
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": "ada"}], "max_tokens": 2,
+            "user": "someone", "store": False, "logprobs": False, "tools": [], "n": 1}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    parsed = http_sfv.List()
+    parsed.parse(r.headers["x-localm-ignored-fields"].encode())
+    assert [item.value for item in parsed] == ["user", "store", "messages[0].name"]
+    assert r.headers["x-millm-ignored-fields"] == r.headers["x-localm-ignored-fields"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        assert "messages[0].name" in s.headers["x-localm-ignored-fields"]
+        s.read()
+    for header in ("X-Localm-Strict", "X-miLLM-Strict"):
+        refused = httpx.post(server.url + "/v1/chat/completions", json=body, headers={header: "true"}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["code"] == "unused_fields_refused"
+        assert refused.json()["fields"] == ["user", "store", "messages[0].name"]
+    bad = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Localm-Strict": "yes"})
+    assert bad.status_code == 400 and "x-localm-strict" in bad.json()["detail"]
+    clean = httpx.post(server.url + "/v1/chat/completions", headers={"X-Localm-Strict": "1"},
+                       json={"model": MODEL, "messages": QUESTION, "max_tokens": 2}, timeout=60)
+    assert clean.status_code == 200 and "x-localm-ignored-fields" not in clean.headers
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", True), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("logit_bias", {"1": 5}), ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]),
+])
+def test_fields_that_cannot_be_honoured_are_refused_before_loading(server: LocalmServer, field: str,
+                                                                   value: Any) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": "not-even-registered", "messages": QUESTION, field: value})
+    assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == field
+
+
+def test_ignored_fields_header_is_capped(server: LocalmServer) -> None:
+    import http_sfv
+
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, **{f"extra_field_{i:03d}": i for i in range(200)}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    value = r.headers["x-localm-ignored-fields"]
+    assert len(value.encode()) <= 1024
+    parsed = http_sfv.List()
+    parsed.parse(value.encode())
+    items = [item.value for item in parsed]
+    assert items[-1] == f"+{200 - (len(items) - 1)} more" and items[0] == "extra_field_000"

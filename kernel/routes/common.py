@@ -78,7 +78,7 @@ def sse(events: AsyncIterator[dict[str, Any]], *, ids: bool = True) -> Stream:
 
 
 class EventStream(Stream):
-    """A stream that keeps its own media type whatever the route handler declares."""
+    """A ``text/event-stream`` response, whatever media type the route handler declares."""
 
     def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["media_type"] = "text/event-stream"

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 
 from localm import sdk
 
-from . import pipeline
+from . import fields, pipeline
 from .request import Reader, read_common, read_messages
 
 DONE = b"data: [DONE]\n\n"
@@ -34,9 +34,8 @@ async def _body(request: sdk.Request) -> Any:
         raise sdk.LocalmError(400, "The body is not valid JSON") from exc
 
 
-def _stream(chunks: AsyncIterator[bytes]) -> sdk.Stream:
-    return sdk.Stream(chunks, media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _stream(chunks: AsyncIterator[bytes], headers: dict[str, str]) -> sdk.Stream:
+    return sdk.EventStream(chunks, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
 async def _prepared(host: Any, name: str | None, render: Any) -> tuple[Any, list[int]]:
@@ -67,6 +66,7 @@ async def chat_completions(request: sdk.Request) -> Any:
     common = read_common(r)
     messages = read_messages(r)
     r.done()
+    ignored = fields.check("chat", r.body, request.headers)
     body = {"messages": messages, "model": common.model}
     for _, changed in await host.run_hook("chat_inlet", request=body, context={"route": "chat.completions"}):
         if isinstance(changed, dict):
@@ -88,10 +88,11 @@ async def chat_completions(request: sdk.Request) -> Any:
         for _, changed in await host.run_hook("chat_outlet", response=message, context={"route": "chat.completions"}):
             if isinstance(changed, dict):
                 message = changed
-        return {"id": ident, "object": "chat.completion", "created": created, "model": shown,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": outcome.finish_reason, "stop_sequence": outcome.stop_sequence}],
-                "usage": pipeline.usage(outcome)}
+        return sdk.Response({"id": ident, "object": "chat.completion", "created": created, "model": shown,
+                             "choices": [{"index": 0, "message": message, "logprobs": None,
+                                          "finish_reason": outcome.finish_reason,
+                                          "stop_sequence": outcome.stop_sequence}],
+                             "usage": pipeline.usage(outcome)}, headers=ignored)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -123,7 +124,7 @@ async def chat_completions(request: sdk.Request) -> Any:
             yield _event({**last, "usage": pipeline.usage(outcome)})
         yield DONE
 
-    return _stream(chunks())
+    return _stream(chunks(), ignored)
 
 
 # --- text completions ------------------------------------------------------------------
@@ -144,6 +145,7 @@ async def completions(request: sdk.Request) -> Any:
         r.errors.append({"key": "prompt", "message": "must be a string"})
     echo = r.get("echo", (bool,), "true or false", False)
     r.done()
+    ignored = fields.check("completions", r.body, request.headers)
     entry, prompt = await _prepared(host, common.model, lambda e: e.tokenize(prompt_text, add_special=True))
     ident = "cmpl-" + secrets.token_hex(12)
     created = int(time.time())
@@ -152,10 +154,11 @@ async def completions(request: sdk.Request) -> Any:
 
     if not common.stream:
         text = await _collect(host, entry.id, prompt, common, received, outcome)
-        return {"id": ident, "object": "text_completion", "created": created, "model": shown,
-                "choices": [{"index": 0, "text": (prompt_text + text) if echo else text, "logprobs": None,
-                             "finish_reason": outcome.finish_reason, "stop_sequence": outcome.stop_sequence}],
-                "usage": pipeline.usage(outcome, timings=False, capacity=False)}
+        return sdk.Response({"id": ident, "object": "text_completion", "created": created, "model": shown,
+                             "choices": [{"index": 0, "text": (prompt_text + text) if echo else text,
+                                          "logprobs": None, "finish_reason": outcome.finish_reason,
+                                          "stop_sequence": outcome.stop_sequence}],
+                             "usage": pipeline.usage(outcome, timings=False, capacity=False)}, headers=ignored)
 
     def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, **extra}
@@ -185,13 +188,13 @@ async def completions(request: sdk.Request) -> Any:
             yield _event({**last, "usage": usage})
         yield DONE
 
-    return _stream(chunks())
+    return _stream(chunks(), ignored)
 
 
 # --- embeddings --------------------------------------------------------------------------
 
 @sdk.post("/v1/embeddings", scope=None, access="inference", error_family="openai", summary="OpenAI embeddings")
-async def embeddings(request: sdk.Request) -> dict[str, Any]:
+async def embeddings(request: sdk.Request) -> sdk.Response:
     host = sdk.host_of(request)
     r = Reader(await _body(request))
     model = r.get("model", (str,), "a string")
@@ -202,6 +205,7 @@ async def embeddings(request: sdk.Request) -> dict[str, Any]:
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         r.errors.append({"key": "input", "message": "must be a string or a non-empty list of strings"})
     r.done()
+    ignored = fields.check("embeddings", r.body, request.headers)
     if fmt not in ("float", "base64"):
         raise sdk.LocalmError(400, "encoding_format must be float or base64")
     entry = host.models.resolve(model)
@@ -214,9 +218,10 @@ async def embeddings(request: sdk.Request) -> dict[str, Any]:
             return vector
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
-    return {"object": "list", "model": model or entry.id,
-            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return sdk.Response({"object": "list", "model": model or entry.id,
+                         "data": [{"object": "embedding", "index": i, "embedding": encode(v)}
+                                  for i, v in enumerate(vectors)],
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=ignored)
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

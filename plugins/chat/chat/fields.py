@@ -1,0 +1,160 @@
+"""Every request field is honoured, reported or refused, never dropped silently.
+
+- A field the route does not use is named in ``X-Localm-Ignored-Fields`` (an RFC 8941
+  list of strings, capped at 1,024 bytes with a final ``"+N more"``), and logged once
+  per request without its value. ``X-Localm-Strict: true`` (or 1) refuses such a request
+  with 400 ``unused_fields_refused`` naming every location. The ``X-miLLM-`` spellings
+  of both headers are accepted and answered too.
+- A field that would change the output but cannot be honoured here is refused with 400
+  ``field_not_honoured`` before any model loads, unless it carries a "no change" value.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from localm import sdk
+
+log = logging.getLogger("localm.plugin.chat")
+
+HEADER_MAX_BYTES = 1024
+STRICT_HEADERS = ("x-localm-strict", "x-millm-strict")
+IGNORED_HEADERS = ("X-Localm-Ignored-Fields", "X-miLLM-Ignored-Fields")
+
+#: Fields the request path reads, per route.
+USED = {
+    "chat": {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed",
+             "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "max_tokens",
+             "max_completion_tokens", "n", "cache_prompt"},
+    "completions": {"model", "prompt", "echo", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
+                    "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "max_tokens",
+                    "max_completion_tokens", "n", "cache_prompt"},
+    "embeddings": {"model", "input", "encoding_format"},
+}
+MESSAGE_USED = {"role", "content"}
+PART_USED = {"type", "text"}
+
+
+def _no_change(key: str, value: Any) -> bool:
+    """The values that ask for nothing a route would have to honour."""
+    if value is None:
+        return True
+    return {
+        "logprobs": value is False,
+        "top_logprobs": value == 0,
+        "response_format": isinstance(value, dict) and value.get("type") == "text",
+        "tools": value == [],
+        "tool_choice": value == "none",
+        "parallel_tool_calls": isinstance(value, bool),
+        "logit_bias": value == {},
+        "function_call": value == "none",
+        "functions": value == [],
+        "modalities": value == ["text"],
+        "n": value == 1,
+    }.get(key, False)
+
+
+#: Output-changing fields no route here honours yet, with what to send instead.
+NOT_HONOURED = {
+    "logprobs": "log probabilities are not served yet",
+    "top_logprobs": "log probabilities are not served yet",
+    "response_format": "structured output is not served yet",
+    "tools": "tool calling is not served yet",
+    "tool_choice": "tool calling is not served yet",
+    "parallel_tool_calls": "tool calling is not served yet",
+    "logit_bias": "token ids differ between models",
+    "functions": "the deprecated function-calling fields are not served: send tools",
+    "function_call": "the deprecated function-calling fields are not served: send tools and tool_choice",
+    "audio": "audio output is not served",
+    "modalities": "only text output is served",
+    "web_search_options": "web search is not served",
+    "grammar": "grammars are not served yet",
+    "grammar_lazy": "grammars are not served yet",
+    "grammar_triggers": "grammars are not served yet",
+    "chat_template_kwargs": "template variables are not applied yet",
+    "reasoning_effort": "reasoning control is not served yet",
+    "allowed_token_ids": "scoring is not served yet",
+    "dimensions": "embeddings keep the model's own size",
+    "profile": "steering is served by the steering plugin",
+    "steering_intensity": "steering is served by the steering plugin",
+    "steering": "steering is served by the steering plugin",
+    "return_sae_activations": "SAE activations are served by the steering plugin",
+}
+
+
+def strict_mode(headers: Any) -> bool:
+    for name in STRICT_HEADERS:
+        value = headers.get(name)
+        if value is None:
+            continue
+        value = value.strip().lower()
+        if value in ("true", "1"):
+            return True
+        if value in ("false", "0"):
+            return False
+        raise sdk.LocalmError(400, f"{name} must be true, 1, false or 0, got {value!r}", code="invalid_header")
+    return False
+
+
+def check(route: str, body: dict[str, Any], headers: Any) -> dict[str, str]:
+    """Refuse what cannot be honoured; return the ignored-fields headers to send (maybe none)."""
+    for key, value in body.items():
+        if key in NOT_HONOURED and key not in USED[route] and not _no_change(key, value):
+            raise sdk.LocalmError(400, f"{key} cannot be honoured on {_ROUTE_NAMES[route]}: {NOT_HONOURED[key]}",
+                                  code="field_not_honoured", field=key)
+    unused = list(_unused(route, body))
+    strict = strict_mode(headers)
+    if not unused:
+        return {}
+    if strict:
+        raise sdk.LocalmError(400, "Unused fields (X-Localm-Strict): " + ", ".join(unused),
+                              code="unused_fields_refused", fields=unused)
+    log.warning("request_fields_unused on %s: %s", _ROUTE_NAMES[route], ", ".join(unused))
+    value = header_value(unused)
+    return {name: value for name in IGNORED_HEADERS}
+
+
+_ROUTE_NAMES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+
+
+def _unused(route: str, body: dict[str, Any]) -> Iterable[str]:
+    for key, value in body.items():
+        if key in USED[route]:
+            continue
+        if key in NOT_HONOURED and _no_change(key, value):
+            continue  # a "no change" value is honoured by doing nothing
+        yield key
+    if route == "chat" and isinstance(body.get("messages"), list):
+        for i, m in enumerate(body["messages"]):
+            if not isinstance(m, dict):
+                continue
+            for key in m:
+                if key not in MESSAGE_USED and not (key == "tool_calls" and not m[key]):
+                    yield f"messages[{i}].{key}"
+            if isinstance(m.get("content"), list):
+                for j, part in enumerate(m["content"]):
+                    if isinstance(part, dict):
+                        for key in part:
+                            if key not in PART_USED:
+                                yield f"messages[{i}].content[{j}].{key}"
+
+
+def _sf_string(text: str) -> str:
+    safe = "".join(c if 0x20 <= ord(c) < 0x7F else "".join(f"%{b:02x}" for b in c.encode()) for c in text)
+    return '"' + safe.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def header_value(locations: list[str]) -> str:
+    """An RFC 8941 list of strings of at most HEADER_MAX_BYTES, ending "+N more" when cut."""
+    items = [_sf_string(loc) for loc in locations]
+    out: list[str] = []
+    for i, item in enumerate(items):
+        rest = len(items) - i - 1
+        tail = f', "+{rest} more"' if rest else ""
+        candidate = ", ".join([*out, item])
+        if len(candidate) + len(tail) > HEADER_MAX_BYTES:
+            more = len(items) - len(out)
+            return ", ".join([*out, f'"+{more} more"'])
+        out.append(item)
+    return ", ".join(out)
