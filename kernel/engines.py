@@ -43,6 +43,12 @@ class Capabilities:
     logprobs: bool = False
     grammar: bool = False
     interventions: bool = False
+    #: Reusing the prompt cache computes the same numbers as starting afresh (so a seed
+    #: repeats a reply whatever ran before it).
+    cache_exact: bool = True
+    #: What the weights compute in, and the quantization they came from ("unrecorded" when not known).
+    dtype: str | None = None
+    quantization: str | None = None
 
 
 @attrs.frozen

@@ -156,6 +156,7 @@ def inspect_gguf(path: Path) -> tuple[dict[str, Any], str]:
         "reasoning": isinstance(template, str) and "<think>" in template,
         "tool_use": isinstance(template, str) and "tools" in template,
         "name": meta.get("general.name"),
+        "quantization": gguf.FILE_TYPES.get(meta.get("general.file_type", -1)),
     }
     role = "embedding" if meta.get(f"{arch}.pooling_type") and not template else "chat"
     return caps, role
@@ -178,6 +179,7 @@ def inspect_hf(folder: Path) -> tuple[dict[str, Any], str]:
         bool(archs) and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs))
     caps = {
         "architecture": archs[0] if archs else config.get("model_type"),
+        "dtype": config.get("torch_dtype") or config.get("dtype"),
         "context_window": config.get("max_position_embeddings") or config.get("n_positions"),
         "chat_template": bool(template),
         "vision": "vision_config" in config,

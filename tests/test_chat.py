@@ -354,3 +354,21 @@ def test_ignored_fields_header_is_capped(server: LocalmServer) -> None:
     parsed.parse(value.encode())
     items = [item.value for item in parsed]
     assert items[-1] == f"+{200 - (len(items) - 1)} more" and items[0] == "extra_field_000"
+
+
+def test_seed_echo_and_system_fingerprint(server: LocalmServer, client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=3, seed=7)
+    assert raw.headers["x-localm-seed"] == '7;scope="best-effort"'  # llama.cpp over a reused prompt cache
+    assert raw.headers["x-millm-seed"] == raw.headers["x-localm-seed"]
+    fresh = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=3, seed=7,
+                                                             extra_body=FRESH)
+    assert fresh.headers["x-localm-seed"] == '7;scope="request"'
+    unseeded = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=3)
+    assert "x-localm-seed" not in unseeded.headers
+    sha = server.owner().get(f"/v1/models/{MODEL}").json()["sha256"]
+    fingerprint = raw.parse().system_fingerprint
+    assert fingerprint == f"localm:{MODEL}@{sha[:8]}:unrecorded/Q4_1:llamacpp"
+    done = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert done.system_fingerprint == fingerprint
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "seed": 2**32})
+    assert r.status_code == 400 and "seed" in r.json()["detail"]

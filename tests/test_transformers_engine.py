@@ -136,6 +136,12 @@ def test_same_seed_same_text(client: Any) -> None:
     assert len({sample(s) for s in (1, 2, 3)}) > 1
 
 
+def test_seed_scope_and_fingerprint(client: Any) -> None:
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=2, seed=5)
+    assert raw.headers["x-localm-seed"] == '5;scope="request"'  # float32 over the cache: exact
+    assert raw.parse().system_fingerprint.endswith(":float32/Q4_1:transformers")
+
+
 def test_max_tokens_gives_length(client: Any) -> None:
     r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5

@@ -49,6 +49,8 @@ class LlamaEngine:
         self.template = meta.get("tokenizer.chat_template")
         self.capabilities = spec.Capabilities(
             context_window=self.llm.n_ctx(), chat_template=bool(self.template), embeddings=True,
+            # llama.cpp picks kernels by batch size: a reply over a reused cache can differ
+            cache_exact=False,
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template))
         self._formatter = None

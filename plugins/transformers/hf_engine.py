@@ -169,7 +169,7 @@ class TransformersEngine:
         else:
             window = min(settings["n_ctx"], native) if isinstance(native, int) and native > 0 else settings["n_ctx"]
         self.capabilities = spec.Capabilities(
-            context_window=window, chat_template=bool(self.template), embeddings=True,
+            context_window=window, chat_template=bool(self.template), embeddings=True, dtype="float32",
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template))
         self._n_ctx = window

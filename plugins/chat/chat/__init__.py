@@ -38,13 +38,36 @@ def _stream(chunks: AsyncIterator[bytes], headers: dict[str, str]) -> sdk.Stream
     return sdk.EventStream(chunks, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
-async def _prepared(host: Any, name: str | None, render: Any) -> tuple[Any, list[int]]:
-    """Load the model and tokenize the prompt: every refusal here is an HTTP status."""
+async def _prepared(host: Any, name: str | None, render: Any, common: Any,
+                    headers: dict[str, str]) -> tuple[Any, list[int], str]:
+    """Load the model and tokenize the prompt: every refusal here is an HTTP status.
+
+    Returns the entry, the prompt's tokens and the system_fingerprint; adds the seed echo
+    to ``headers``.
+    """
     entry = host.models.resolve(name)
     async with host.models.use(entry.id) as resident:
-        prompt = render(resident.engine)
-        pipeline.check_fits(len(prompt), resident.engine.capabilities.context_window)
-    return entry, prompt
+        engine = resident.engine
+        prompt = render(engine)
+        pipeline.check_fits(len(prompt), engine.capabilities.context_window)
+    caps = engine.capabilities
+    seed = common.sampling.seed
+    if seed is not None:
+        # the promise: the same seed and body repeat the reply, unless a reused prompt cache
+        # can change the numbers on this engine
+        scope = "request" if caps.cache_exact or not common.cache_prompt else "best-effort"
+        headers.update({name: f'{seed};scope="{scope}"' for name in ("X-Localm-Seed", "X-miLLM-Seed")})
+    return entry, prompt, fingerprint(entry, engine)
+
+
+def fingerprint(entry: Any, engine: Any) -> str:
+    """localm:<model>@<revision>:<dtype>/<quantization>:<engine>; an unknown part reads unrecorded."""
+    caps = engine.capabilities
+    revision = entry.sha256[:8] if entry.sha256 else None
+    dtype = caps.dtype or entry.capabilities.get("dtype")
+    quantization = caps.quantization or entry.capabilities.get("quantization")
+    parts = [p or "unrecorded" for p in (revision, dtype, quantization)]
+    return f"localm:{entry.id}@{parts[0]}:{parts[1]}/{parts[2]}:{engine.engine}"
 
 
 async def _collect(host: Any, model: str, prompt: list[int], common: Any, received: float,
@@ -66,7 +89,7 @@ async def chat_completions(request: sdk.Request) -> Any:
     common = read_common(r)
     messages = read_messages(r)
     r.done()
-    ignored = fields.check("chat", r.body, request.headers)
+    headers = fields.check("chat", r.body, request.headers)
     body = {"messages": messages, "model": common.model}
     for _, changed in await host.run_hook("chat_inlet", request=body, context={"route": "chat.completions"}):
         if isinstance(changed, dict):
@@ -76,7 +99,7 @@ async def chat_completions(request: sdk.Request) -> Any:
     def render(engine: Any) -> list[int]:
         return engine.tokenize(engine.render_chat(messages), add_special=True, parse_special=True)
 
-    entry, prompt = await _prepared(host, common.model, render)
+    entry, prompt, system_fingerprint = await _prepared(host, common.model, render, common, headers)
     ident = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
     shown = common.model if common.model not in (None, "", "localm") else entry.id
@@ -89,10 +112,11 @@ async def chat_completions(request: sdk.Request) -> Any:
             if isinstance(changed, dict):
                 message = changed
         return sdk.Response({"id": ident, "object": "chat.completion", "created": created, "model": shown,
+                             "system_fingerprint": system_fingerprint,
                              "choices": [{"index": 0, "message": message, "logprobs": None,
                                           "finish_reason": outcome.finish_reason,
                                           "stop_sequence": outcome.stop_sequence}],
-                             "usage": pipeline.usage(outcome)}, headers=ignored)
+                             "usage": pipeline.usage(outcome)}, headers=headers)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -124,7 +148,7 @@ async def chat_completions(request: sdk.Request) -> Any:
             yield _event({**last, "usage": pipeline.usage(outcome)})
         yield DONE
 
-    return _stream(chunks(), ignored)
+    return _stream(chunks(), headers)
 
 
 # --- text completions ------------------------------------------------------------------
@@ -145,8 +169,9 @@ async def completions(request: sdk.Request) -> Any:
         r.errors.append({"key": "prompt", "message": "must be a string"})
     echo = r.get("echo", (bool,), "true or false", False)
     r.done()
-    ignored = fields.check("completions", r.body, request.headers)
-    entry, prompt = await _prepared(host, common.model, lambda e: e.tokenize(prompt_text, add_special=True))
+    headers = fields.check("completions", r.body, request.headers)
+    entry, prompt, system_fingerprint = await _prepared(
+        host, common.model, lambda e: e.tokenize(prompt_text, add_special=True), common, headers)
     ident = "cmpl-" + secrets.token_hex(12)
     created = int(time.time())
     shown = common.model if common.model not in (None, "", "localm") else entry.id
@@ -155,10 +180,11 @@ async def completions(request: sdk.Request) -> Any:
     if not common.stream:
         text = await _collect(host, entry.id, prompt, common, received, outcome)
         return sdk.Response({"id": ident, "object": "text_completion", "created": created, "model": shown,
+                             "system_fingerprint": system_fingerprint,
                              "choices": [{"index": 0, "text": (prompt_text + text) if echo else text,
                                           "logprobs": None, "finish_reason": outcome.finish_reason,
                                           "stop_sequence": outcome.stop_sequence}],
-                             "usage": pipeline.usage(outcome, timings=False, capacity=False)}, headers=ignored)
+                             "usage": pipeline.usage(outcome, timings=False, capacity=False)}, headers=headers)
 
     def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, **extra}
@@ -188,7 +214,7 @@ async def completions(request: sdk.Request) -> Any:
             yield _event({**last, "usage": usage})
         yield DONE
 
-    return _stream(chunks(), ignored)
+    return _stream(chunks(), headers)
 
 
 # --- embeddings --------------------------------------------------------------------------
@@ -205,7 +231,7 @@ async def embeddings(request: sdk.Request) -> sdk.Response:
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         r.errors.append({"key": "input", "message": "must be a string or a non-empty list of strings"})
     r.done()
-    ignored = fields.check("embeddings", r.body, request.headers)
+    headers = fields.check("embeddings", r.body, request.headers)
     if fmt not in ("float", "base64"):
         raise sdk.LocalmError(400, "encoding_format must be float or base64")
     entry = host.models.resolve(model)
@@ -221,7 +247,7 @@ async def embeddings(request: sdk.Request) -> sdk.Response:
     return sdk.Response({"object": "list", "model": model or entry.id,
                          "data": [{"object": "embedding", "index": i, "embedding": encode(v)}
                                   for i, v in enumerate(vectors)],
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=ignored)
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -81,6 +81,8 @@ def read_common(r: Reader) -> Common:
         raise sdk.LocalmError(400, "max_tokens must be at least 1")
     defaults = spec.Sampling()
     seed = r.get("seed", (int,), "an integer")
+    if seed is not None and not 0 <= seed < 2**32:
+        raise sdk.LocalmError(400, f"seed must be an integer from 0 to {2**32 - 1}, got {seed}")
     sampling = spec.Sampling(
         max_tokens=cap,
         temperature=r.number("temperature", defaults.temperature, 0, 2),
