@@ -3,9 +3,11 @@ visible as a catalog (LOCALM_PLUGIN_STORE)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import httpx
 import pytest
 
 from localm.sdk.testing import LocalmServer
@@ -17,6 +19,17 @@ STORE_ENV = {"LOCALM_PLUGIN_STORE": str(TEST_STORE)}
 AUTH_REFUSALS = ("Missing API key", "Invalid API key", "Key lacks required scope",
                  "Open-mode management requires", "Cross-origin request refused", "API key expired",
                  "Missing or invalid CSRF token", "Session expired")
+
+
+def sse_events(server: Any, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """POST a streaming request and yield each server-sent event's JSON until [DONE]."""
+    with httpx.Client(base_url=server.url, timeout=120) as http, http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                return
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
 
 
 def refused_by_guard(response: Any) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import sse_events
 from localm.sdk.testing import LocalmServer
 
 pytest.importorskip("llama_cpp")
@@ -39,16 +39,6 @@ def greedy(client: openai.OpenAI) -> str:
     r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40,
                                        extra_body=FRESH)
     return r.choices[0].message.content
-
-
-def sse(server: LocalmServer, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    with httpx.Client(base_url=server.url, timeout=120) as http, http.stream("POST", path, json=body) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
-                return
-            if line.startswith("data: "):
-                yield json.loads(line[6:])
 
 
 def test_chat_non_streaming(client: openai.OpenAI) -> None:
@@ -173,7 +163,7 @@ def test_a_second_request_waits_and_says_so(server: LocalmServer) -> None:
     first: list[dict[str, Any]] = []
 
     def run_first() -> None:
-        for chunk in sse(server, "/v1/chat/completions", body):
+        for chunk in sse_events(server, "/v1/chat/completions", body):
             first.append(chunk)
             if len(first) == 3:
                 first_started.set()
@@ -181,7 +171,7 @@ def test_a_second_request_waits_and_says_so(server: LocalmServer) -> None:
     t = threading.Thread(target=run_first)
     t.start()
     assert first_started.wait(60)
-    second = list(sse(server, "/v1/chat/completions", {**body, "max_tokens": 3}))
+    second = list(sse_events(server, "/v1/chat/completions", {**body, "max_tokens": 3}))
     t.join(60)
     statuses = [c["choices"][0]["delta"].get("status_code") for c in second if c["choices"]]
     assert "waiting" in statuses
@@ -200,7 +190,7 @@ def test_a_dropped_stream_frees_the_model(server: LocalmServer, client: openai.O
     while owner.get(f"/v1/models/{MODEL}").json()["busy"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert owner.get(f"/v1/models/{MODEL}").json()["busy"] == 0
-    chunks = list(sse(server, "/v1/chat/completions", {**body, "max_tokens": 3}))
+    chunks = list(sse_events(server, "/v1/chat/completions", {**body, "max_tokens": 3}))
     assert "waiting" not in [c["choices"][0]["delta"].get("status_code") for c in chunks if c["choices"]]
 
 
@@ -280,7 +270,7 @@ def test_unload_waits_for_a_running_request_and_refuses_new_ones(server: LocalmS
     unloaded: list[dict[str, Any]] = []
 
     def stream() -> None:  # a long reply that runs until the test has seen the refusal
-        for _ in sse(server, "/v1/chat/completions", body):
+        for _ in sse_events(server, "/v1/chat/completions", body):
             started.set()
             if leave.is_set():
                 return

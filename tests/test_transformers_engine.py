@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from conftest import sse_events
 from localm.sdk import engines as spec
 from localm.sdk.testing import LocalmServer
 
@@ -93,17 +94,6 @@ def client(server: LocalmServer) -> Any:
 @pytest.fixture(scope="module")
 def greedy(client: Any) -> Any:
     return client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
-
-
-def sse(server: LocalmServer, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    with httpx.Client(base_url=server.url, timeout=120) as http, \
-            http.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
-                return
-            if line.startswith("data: "):
-                yield json.loads(line[6:])
 
 
 # --- through the server ------------------------------------------------------------------
@@ -191,7 +181,7 @@ def test_a_second_request_waits_and_a_dropped_stream_frees_the_model(server: Loc
 
     def run_second() -> None:
         assert started.wait(60)
-        second.extend(sse(server, {**body, "max_tokens": 2}))
+        second.extend(sse_events(server, "/v1/chat/completions", {**body, "max_tokens": 2}))
 
     t = threading.Thread(target=run_second)
     t.start()

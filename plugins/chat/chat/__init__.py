@@ -70,6 +70,13 @@ def fingerprint(entry: Any, engine: Any) -> str:
     return f"localm:{entry.id}@{parts[0]}:{parts[1]}/{parts[2]}:{engine.engine}"
 
 
+def _ending(last: dict[str, Any], usage: dict[str, Any], include_usage: bool) -> list[bytes]:
+    """A stream's finish chunk with its usage (or a last usage chunk with empty choices), then [DONE]."""
+    if include_usage:
+        return [_event(last), _event({**last, "choices": [], "usage": usage}), DONE]
+    return [_event({**last, "usage": usage}), DONE]
+
+
 async def _collect(host: Any, model: str, prompt: list[int], common: Any, received: float,
                    outcome: pipeline.Outcome) -> str:
     """A whole reply, for a non-streaming request."""
@@ -137,16 +144,11 @@ async def chat_completions(request: sdk.Request) -> Any:
             outcome.finish_reason = "error"
             yield chunk({"content": f"\n[inference error: {pipeline.redact(exc.detail)}]"},
                         localm_error={"status": exc.status, "detail": exc.detail})
-        final: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
-                                 "finish_reason": outcome.finish_reason, "stop_sequence": outcome.stop_sequence}
         last = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": shown,
-                "choices": [final]}
-        if common.include_usage:
-            yield _event(last)
-            yield _event({**last, "choices": [], "usage": pipeline.usage(outcome)})
-        else:
-            yield _event({**last, "usage": pipeline.usage(outcome)})
-        yield DONE
+                "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": outcome.finish_reason,
+                             "stop_sequence": outcome.stop_sequence}]}
+        for event in _ending(last, pipeline.usage(outcome), common.include_usage):
+            yield event
 
     return _stream(chunks(), headers)
 
@@ -206,13 +208,8 @@ async def completions(request: sdk.Request) -> Any:
         last = {"id": ident, "object": "text_completion", "created": created, "model": shown,
                 "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}
-        usage = pipeline.usage(outcome, timings=True, capacity=False)
-        if common.include_usage:
-            yield _event(last)
-            yield _event({**last, "choices": [], "usage": usage})
-        else:
-            yield _event({**last, "usage": usage})
-        yield DONE
+        for event in _ending(last, pipeline.usage(outcome, timings=True, capacity=False), common.include_usage):
+            yield event
 
     return _stream(chunks(), headers)
 
