@@ -12,11 +12,18 @@ The event stream of :meth:`Engine.generate`:
 - :class:`Queued` (zero or more times): the request waits behind others; ``ahead`` is
   how many run or wait before it.
 - :class:`Started`: the engine took the request; the prompt is being processed.
-- :class:`Token` (for each generated token): its id and the text it completes.
+- :class:`Token` (for each generated token): its id and the text it completes; with
+  ``logprobs`` requested, its log probability and the most likely alternatives.
 - :class:`Finished` (last): why it stopped, and token counts and timings.
 
 Closing the async iterator early (a client that went away, a stop sequence found by
 the caller) stops the generation within a token or two and frees the engine.
+
+A request may carry a :class:`Constraint`: an llguidance grammar that masks the
+logits before each draw, from the first token or, lazily, from a trigger text on.
+Log probabilities are always those of the model's raw logits, before penalties,
+temperature, top-k/p, min-p and the grammar mask. The shared machinery (token masks,
+log-softmax entries) is in :mod:`localm.kernel.constrain`.
 """
 
 from __future__ import annotations
@@ -67,10 +74,33 @@ class Sampling:
 
 
 @attrs.frozen
+class Constraint:
+    """Output constrained token by token by an llguidance grammar.
+
+    ``grammar`` is an llguidance grammar string (``llguidance.LLMatcher.grammar_from_lark``,
+    ``grammar_from_json_schema``, ``grammar_from_regex``). The grammar's end is the
+    engine's end-of-generation tokens (EOS, end of turn): once a grammar is complete the
+    generation ends with ``Finished(reason="stop")``.
+
+    ``trigger`` makes it lazy: nothing is constrained until this text appears in the
+    generated text; the grammar then constrains what follows the trigger, and once it
+    completes the generation is free again until the trigger appears anew. A lazy
+    constraint never ends the generation by itself.
+    """
+
+    grammar: str
+    trigger: str | None = None
+
+
+@attrs.frozen
 class GenerateRequest:
     prompt: tuple[int, ...]
     sampling: Sampling = Sampling()
     cache_prompt: bool = True
+    constraint: Constraint | None = None
+    #: None: no probabilities; k >= 0: every Token carries its logprob and the k most likely
+    #: alternatives (the OpenAI routes allow 0..20).
+    logprobs: int | None = None
 
 
 @attrs.frozen
@@ -87,6 +117,12 @@ class Started:
 class Token:
     id: int
     text: str  # the text this token completes ("" while a character is still partial)
+    #: log-softmax of the raw logits at this token (None unless the request asked for logprobs);
+    #: a value too small to represent, or a step whose logits were not finite, reads -9999.0
+    logprob: float | None = None
+    #: the k most likely (token id, logprob) of the same raw distribution, most likely first
+    #: (empty when the step's logits were not finite)
+    top: tuple[tuple[int, float], ...] = ()
 
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -129,6 +165,21 @@ class Engine(Protocol):
 
     async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
         """Log-softmax of the model's raw logits for the token after ``prompt``."""
+
+    async def next_token_logits(self, prompt: Sequence[int]) -> Any:
+        """The model's raw logits (a float32 ``numpy.ndarray`` of the vocabulary's width) for the
+        token after ``prompt``: one forward pass, in turn with generations. It may drop the
+        engine's prompt cache; later generations are unaffected."""
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's own UTF-8 bytes as the tokenizer spells it (a special token as its text);
+        a token that holds part of a character gives those bytes only."""
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Raise ``LocalmError(400, ..., code="invalid_grammar")`` when the grammar does not
+        compile for this model's tokenizer; synchronous, so a surface can call it before it
+        opens a stream (the first call builds the tokenizer's llguidance form: a fraction of a
+        second). ``generate`` refuses such a grammar in-band (``Finished(reason="error")``)."""
 
     @property
     def busy(self) -> int:

@@ -1,7 +1,15 @@
 """The engine hook spec, for plugins that provide or use inference engines."""
 
+from localm.kernel.constrain import (
+    LOGPROB_FLOOR,
+    Constrainer,
+    TokenMasker,
+    logprob_entry,
+    safe_logprob,
+)
 from localm.kernel.engines import (
     Capabilities,
+    Constraint,
     Engine,
     EngineError,
     Event,
@@ -15,5 +23,6 @@ from localm.kernel.engines import (
     Token,
 )
 
-__all__ = ["Capabilities", "Engine", "EngineError", "Event", "Finished", "FinishReason", "GenerateRequest",
-           "Queued", "Sampling", "Serial", "Started", "Token"]
+__all__ = ["LOGPROB_FLOOR", "Capabilities", "Constrainer", "Constraint", "Engine", "EngineError", "Event",
+           "Finished", "FinishReason", "GenerateRequest", "Queued", "Sampling", "Serial", "Started", "Token",
+           "TokenMasker", "logprob_entry", "safe_logprob"]

@@ -8,10 +8,12 @@ docs/engines.md, or `.ci/run`).
 from __future__ import annotations
 
 import codecs
+import ctypes
 import os
 import random
 import threading
 import time
+import warnings
 from typing import Any, AsyncIterator, Sequence
 
 import attrs
@@ -52,7 +54,8 @@ class LlamaEngine:
             # llama.cpp picks kernels by batch size: a reply over a reused cache can differ
             cache_exact=False,
             reasoning=bool(self.template and "<think>" in self.template),
-            tool_use=bool(self.template and "tools" in self.template))
+            tool_use=bool(self.template and "tools" in self.template),
+            logprobs=True, grammar=spec.Constrainer.available())
         self._formatter = None
         if self.template:
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -65,6 +68,19 @@ class LlamaEngine:
         self._path = path
         self._threads = threads
         self._embedder: Any = None
+        self._n_vocab = self.llm.n_vocab()
+        self._constrainer = spec.Constrainer(self._grammar_tokenizer, self.token_bytes)
+
+    def _grammar_tokenizer(self) -> Any:
+        """The llguidance tokenizer of this vocabulary; its end tokens are the model's end-of-generation ones."""
+        import llama_cpp
+        from llguidance.llamacpp import lltokenizer_from_vocab
+        vocab = self.llm._model.vocab
+        n = llama_cpp.llama_vocab_n_tokens(vocab)
+        ends = [token for token in range(n) if self._eog(token)] or [self.llm.token_eos()]
+        with warnings.catch_warnings():  # it reads each token's attributes through a deprecated alias
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(vocab, n_vocab=self._n_vocab, eos_token=ends)
 
     def _end_of_generation_check(self) -> Any:
         """A fast per-token test for end-of-generation tokens (EOS, end of turn)."""
@@ -83,6 +99,17 @@ class LlamaEngine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.llm.detokenize(list(ids)).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        import llama_cpp
+        vocab = self.llm._model.vocab
+        size = 64
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
+            if n >= 0:
+                return buffer.raw[:n]
+            size = -n  # too small: llama.cpp says how many bytes it needs
+
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     template_kwargs: dict | None = None) -> str:
         if self._formatter is None:
@@ -99,14 +126,59 @@ class LlamaEngine:
     def _is_eog(self, token: int) -> bool:
         return self._eog(token)
 
+    def check_constraint(self, constraint: spec.Constraint) -> None:
+        self._constrainer.check(constraint)
+
     def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
         return self._serial.generate(request, self._decode)
+
+    def _mask_processor(self, masker: spec.TokenMasker) -> Any:
+        """A llama-cpp-python logits processor that applies the grammar's mask.
+
+        llama-cpp-python runs it first in its sampler chain (before penalties, top-k/p, min-p,
+        temperature and the draw), on the candidates array it has just filled from the raw
+        logits in token order; the logits themselves are left as the model wrote them, which is
+        where the log probabilities are read. It runs inside a ctypes callback, where an
+        exception would be printed and lost, so a failure is kept on the masker instead.
+        """
+        n_vocab = self._n_vocab
+
+        def process(input_ids: Any, logits: Any) -> Any:
+            try:
+                if logits.shape[0] != n_vocab:
+                    raise RuntimeError(f"llama.cpp offered {logits.shape[0]} candidates, not {n_vocab}")
+                masker.apply(logits)
+            except Exception as exc:  # noqa: BLE001 - reported through the masker
+                masker.error = masker.error or f"the grammar mask failed: {exc}"
+            return logits
+        return process
+
+    def _raw_logits(self) -> Any:
+        """A view of the logits that produced the token just drawn (valid until the next decode)."""
+        import llama_cpp
+        import numpy as np
+        pointer = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        if not pointer:
+            raise RuntimeError("llama.cpp holds no logits for the last token")
+        return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
 
     def _decode(self, request: spec.GenerateRequest, cancel: threading.Event, emit: Any) -> None:
         s = request.sampling
         llm = self.llm
         n_ctx = llm.n_ctx()
         prompt = list(request.prompt)
+        masker = None
+        if request.constraint is not None:
+            try:
+                masker = self._constrainer.masker(request.constraint)
+            except sdk.LocalmError as exc:
+                emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=exc.detail))
+                return
+        k = request.logprobs
+        if k is not None and k < 0:
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
+                               error="logprobs must be 0 or more"))
+            return
         llm.set_seed(s.seed if s.seed is not None else random.randrange(2**31))
         if not request.cache_prompt:
             llm.reset()
@@ -116,9 +188,11 @@ class LlamaEngine:
         n = 0
         reason = "length"
         try:
+            # no processor at all without a grammar: llama-cpp-python's per-token callback costs time
             tokens = llm.generate(prompt, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature,
                                   repeat_penalty=s.repeat_penalty, frequency_penalty=s.frequency_penalty,
-                                  presence_penalty=s.presence_penalty, reset=True)
+                                  presence_penalty=s.presence_penalty, reset=True,
+                                  logits_processor=[self._mask_processor(masker)] if masker else None)
             for token in tokens:
                 if first is None:
                     first = time.perf_counter()
@@ -128,8 +202,22 @@ class LlamaEngine:
                 if self._is_eog(token):
                     reason = "stop"
                     break
+                if masker is not None and not masker.accept(token):
+                    ended = time.perf_counter()
+                    emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=n,
+                                       prompt_seconds=first - started, generate_seconds=ended - first,
+                                       error=f"The output left the grammar: {masker.error}"))
+                    return
                 n += 1
-                emit(spec.Token(id=token, text=decoder.decode(llm.detokenize([token]))))
+                text = decoder.decode(llm.detokenize([token]))
+                if k is not None:
+                    logprob, top = spec.logprob_entry(self._raw_logits(), token, k)
+                    emit(spec.Token(id=token, text=text, logprob=logprob, top=top))
+                else:
+                    emit(spec.Token(id=token, text=text))
+                if masker is not None and masker.finished:
+                    reason = "stop"
+                    break
                 if (s.max_tokens is not None and n >= s.max_tokens) or len(prompt) + n >= n_ctx:
                     reason = "length"
                     break
@@ -160,8 +248,33 @@ class LlamaEngine:
                                       code="context_length_exceeded")
         return [[float(x) for x in v] for v in self._embedder.embed(texts, normalize=True)]
 
+    async def next_token_logits(self, prompt: Sequence[int]) -> Any:
+        ids = list(prompt)
+        if not ids:
+            raise sdk.LocalmError(400, "The prompt is empty")
+        if len(ids) > self.llm.n_ctx():
+            raise sdk.LocalmError(413, f"The prompt is {len(ids)} tokens; the context window is {self.llm.n_ctx()}",
+                                  code="context_length_exceeded")
+        return await self._serial.call(self._logits_after, ids)
+
+    def _logits_after(self, ids: list[int]) -> Any:
+        """One pass over ``ids`` from an empty cache. The context then holds exactly ``ids``
+        (llama-cpp-python's token record agrees), so the next generation reuses what matches."""
+        llm = self.llm
+        llm.reset()
+        try:
+            llm.eval(ids)
+            return self._raw_logits().copy()
+        except Exception:
+            llm.reset()
+            raise
+
     async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
-        raise sdk.LocalmError(400, "Scoring on llama.cpp arrives with logprobs support")
+        import numpy as np
+        logits = (await self.next_token_logits(prompt)).astype(np.float64)
+        logits -= logits.max()
+        logits -= np.log(np.exp(logits).sum())
+        return logits.tolist()
 
     def close(self) -> None:
         self._serial.close()

@@ -36,6 +36,7 @@ PENALTY_LAST_N = 64
 #: Tokens that end a turn in common chat templates, besides the model's declared EOS.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>",
                "<|end|>", "<|return|>", "</s>")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^/\s'\"]+/)+([^/\s'\",:)]+)")
 
 
@@ -117,6 +118,24 @@ def _quick_gguf_load():
             readers.clear()
 
 
+def _byte_decoder(tokenizer: Any) -> dict[str, int]:
+    """GPT-2's byte-to-character map, inverted, when the tokenizer is byte-level BPE ({} otherwise)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None or "ByteLevel" not in type(decoder).__name__ + repr(decoder)[:200]:
+        return {}
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -168,10 +187,13 @@ class TransformersEngine:
                          if isinstance(x, int) and x > 0)
         else:
             window = min(settings["n_ctx"], native) if isinstance(native, int) and native > 0 else settings["n_ctx"]
+        causal = not self.embedding
         self.capabilities = spec.Capabilities(
             context_window=window, chat_template=bool(self.template), embeddings=True, dtype="float32",
             reasoning=bool(self.template and "<think>" in self.template),
-            tool_use=bool(self.template and "tools" in self.template))
+            tool_use=bool(self.template and "tools" in self.template), logprobs=causal,
+            grammar=causal and spec.Constrainer.available()
+            and isinstance(self.tokenizer, transformers.PreTrainedTokenizerFast))
         self._n_ctx = window
         self._n_batch = settings["n_batch"]
         self._eog = self._end_tokens()
@@ -185,6 +207,28 @@ class TransformersEngine:
         # a fast tokenizer is not safe to use from two threads at once (its truncation settings
         # are mutable state): the event loop and the worker take turns
         self._tokenizing = threading.Lock()
+        self._byte_decoder: dict[str, int] | None = None
+        self._constrainer = spec.Constrainer(self._grammar_tokenizer, self.token_bytes)
+
+    def _logits_width(self) -> int:
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        if weight is not None and weight.dim() == 2:
+            return int(weight.shape[0])
+        return int(getattr(self.model.config, "vocab_size", None) or len(self.tokenizer))
+
+    def _grammar_tokenizer(self) -> Any:
+        """The llguidance tokenizer of this vocabulary, as wide as the model's logits; its end tokens
+        are the model's end-of-generation ones."""
+        import transformers
+        if self.embedding or not isinstance(self.tokenizer, transformers.PreTrainedTokenizerFast):
+            raise sdk.LocalmError(400, "Constrained output needs a chat model with a fast tokenizer",
+                                  code="grammar_unavailable")
+        from llguidance.hf import from_tokenizer
+        ends = sorted(self._eog) or None
+        with self._tokenizing:
+            return from_tokenizer(self.tokenizer, n_vocab=max(self._logits_width(), len(self.tokenizer)),
+                                  eos_token=ends)
 
     def _load_model(self, transformers: Any, folder: str, kwargs: dict[str, Any], attention: str) -> Any:
         load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
@@ -241,6 +285,29 @@ class TransformersEngine:
         with self._tokenizing:
             return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The token's bytes: an added (special) token's text; a byte-level BPE piece through the
+        GPT-2 byte map; a byte-fallback piece (``<0x0A>``) as its byte; a SentencePiece piece with
+        its ``▁`` as a space."""
+        with self._tokenizing:
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(token)
+            if added is not None:
+                return str(added).encode("utf-8")
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            if self._byte_decoder is None:
+                self._byte_decoder = _byte_decoder(self.tokenizer)
+        if not isinstance(piece, str):
+            return b""
+        if self._byte_decoder:
+            try:
+                return bytes(self._byte_decoder[c] for c in piece)
+            except KeyError:
+                pass
+        fallback = _BYTE_PIECE.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     template_kwargs: dict | None = None) -> str:
         if self.template is None:
@@ -258,6 +325,11 @@ class TransformersEngine:
     @property
     def busy(self) -> int:
         return self._serial.busy
+
+    def check_constraint(self, constraint: spec.Constraint) -> None:
+        if self.embedding:
+            raise sdk.LocalmError(400, "This is an embedding model: use /v1/embeddings", code="not_a_chat_model")
+        self._constrainer.check(constraint)
 
     def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
         if self.embedding:
@@ -319,12 +391,25 @@ class TransformersEngine:
         first = None
         n = 0
         reason: spec.FinishReason = "length"
+        error = None
         if not prompt:
             emit(spec.Finished(reason="error", prompt_tokens=0, completion_tokens=0, error="The prompt is empty"))
             return
         if len(prompt) >= self._n_ctx:
             emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
                                error=f"The prompt is {len(prompt)} tokens; the context window is {self._n_ctx}"))
+            return
+        masker = None
+        if request.constraint is not None:
+            try:
+                masker = self._constrainer.masker(request.constraint)
+            except sdk.LocalmError as exc:
+                emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=exc.detail))
+                return
+        k = request.logprobs
+        if k is not None and k < 0:
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
+                               error="logprobs must be 0 or more"))
             return
         generator = torch.Generator().manual_seed(
             (s.seed if s.seed is not None else random.randrange(2**63)) & 0x7FFF_FFFF_FFFF_FFFF)
@@ -337,12 +422,17 @@ class TransformersEngine:
                     if cancel.is_set() or logits is None:
                         reason = "cancelled"
                         break
-                    token = self._pick(logits, prompt + generated, s, generator)
+                    token = self._pick(logits, prompt + generated, s, generator, masker)
                     if first is None:
                         first = time.perf_counter()
                     if token in self._eog:
                         reason = "stop"
                         break
+                    if masker is not None and not masker.accept(token):
+                        reason = "error"
+                        error = f"The output left the grammar: {masker.error}"
+                        break
+                    entry = spec.logprob_entry(logits.numpy(), token, k) if k is not None else (None, ())
                     generated.append(token)
                     n += 1
                     before = self.detokenize(generated[prefix:read])
@@ -351,7 +441,10 @@ class TransformersEngine:
                     if len(after) > len(before) and not after.endswith("\ufffd"):
                         text = after[len(before):]
                         prefix, read = read, len(generated)
-                    emit(spec.Token(id=token, text=text))
+                    emit(spec.Token(id=token, text=text, logprob=entry[0], top=entry[1]))
+                    if masker is not None and masker.finished:
+                        reason = "stop"
+                        break
                     if (s.max_tokens is not None and n >= s.max_tokens) or len(prompt) + n >= self._n_ctx:
                         reason = "length"
                         break
@@ -370,13 +463,17 @@ class TransformersEngine:
         ended = time.perf_counter()
         first = first or ended
         emit(spec.Finished(reason=reason, prompt_tokens=len(prompt), completion_tokens=n,
-                           prompt_seconds=first - started, generate_seconds=ended - first))
+                           prompt_seconds=first - started, generate_seconds=ended - first, error=error))
 
-    def _pick(self, logits: Any, history: list[int], s: spec.Sampling, generator: Any) -> int:
-        """The next token: penalties, then greedy (temperature 0) or top-k, top-p, min-p and
-        temperature before a seeded draw (llama.cpp's order)."""
+    def _pick(self, logits: Any, history: list[int], s: spec.Sampling, generator: Any,
+              masker: spec.TokenMasker | None = None) -> int:
+        """The next token: the grammar's mask, penalties, then greedy (temperature 0) or top-k,
+        top-p, min-p and temperature before a seeded draw (llama.cpp's order). ``logits`` (the raw
+        logits, which the log probabilities read) is left as it is."""
         torch = self._torch
         logits = logits.clone()
+        if masker is not None and masker.active:
+            masker.apply(logits.numpy())  # shares the tensor's memory
         if history and (s.repeat_penalty != 1.0 or s.frequency_penalty or s.presence_penalty):
             ids, counts = torch.unique(torch.tensor(history[-PENALTY_LAST_N:], dtype=torch.long), return_counts=True)
             ids, counts = ids[ids < logits.shape[0]], counts[ids < logits.shape[0]]
@@ -442,7 +539,17 @@ class TransformersEngine:
                 out.append(torch.nn.functional.normalize(pooled, p=2, dim=0).tolist())
         return out
 
+    async def next_token_logits(self, prompt: Sequence[int]) -> Any:
+        import numpy as np
+        logits = await self._score(prompt)
+        return np.array(logits.numpy(), dtype=np.float32, copy=True)
+
     async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
+        logits = await self._score(prompt)
+        return self._torch.log_softmax(logits.double(), dim=0).tolist()
+
+    async def _score(self, prompt: Sequence[int]) -> Any:
+        """The raw logits (a float32 tensor) for the token after ``prompt``, from a fresh cache."""
         if self.embedding:
             raise sdk.LocalmError(400, "This is an embedding model: it does not predict tokens",
                                   code="not_a_chat_model")
@@ -453,14 +560,14 @@ class TransformersEngine:
             raise sdk.LocalmError(413, f"The prompt is {len(ids)} tokens; the context window is {self._n_ctx}",
                                   code="context_length_exceeded")
 
-        def score() -> list[float]:
+        def score() -> Any:
             torch = self._torch
             with torch.inference_mode():
                 cache = self._new_cache()
                 logits = None
                 for at in range(0, len(ids), self._n_batch):
                     logits = self._forward(ids[at:at + self._n_batch], cache)
-                return torch.log_softmax(logits, dim=0).tolist()
+                return logits.clone()
         return await self._serial.call(score)
 
     def close(self) -> None:
