@@ -171,8 +171,9 @@ class LlamaEngine:
         if request.constraint is not None:
             try:
                 masker = self._constrainer.masker(request.constraint)
-            except sdk.LocalmError as exc:
-                emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=exc.detail))
+            except Exception as exc:  # a bad grammar, or no llguidance tokenizer for this vocabulary
+                detail = exc.detail if isinstance(exc, sdk.LocalmError) else f"The grammar cannot be used: {exc}"
+                emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=detail))
                 return
         k = request.logprobs
         if k is not None and k < 0:
