@@ -322,14 +322,16 @@ def test_ignored_fields_are_reported_and_strict_mode_refuses_them(server: Localm
     assert clean.status_code == 200 and "x-localm-ignored-fields" not in clean.headers
 
 
-@pytest.mark.parametrize("field, value", [
-    ("logprobs", True), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("logit_bias", {"1": 5}), ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]),
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "logit_bias", {"1": 5}), ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "modalities", ["text", "audio"]), ("/v1/chat/completions", "audio", {"voice": "x"}),
+    ("/v1/completions", "response_format", {"type": "json_object"}), ("/v1/completions", "tools", [{"type": "x"}]),
+    ("/v1/completions", "top_logprobs", 2), ("/v1/embeddings", "logprobs", 2), ("/v1/embeddings", "dimensions", 8),
 ])
-def test_fields_that_cannot_be_honoured_are_refused_before_loading(server: LocalmServer, field: str,
+def test_fields_that_cannot_be_honoured_are_refused_before_loading(server: LocalmServer, path: str, field: str,
                                                                    value: Any) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions",
-                   json={"model": "not-even-registered", "messages": QUESTION, field: value})
+    body = {"model": "not-even-registered", "messages": QUESTION, "prompt": "x", "input": "x", field: value}
+    r = httpx.post(server.url + path, json=body)
     assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == field
 
 

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import secrets
 import struct
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
+import attrs
 from localm import sdk
 
-from . import fields, pipeline
-from .request import Reader, read_common, read_messages
+from . import constrained, fields, pipeline, scoring
+from .prompt import chat_tokens
+from .request import Reader, read_common, read_messages, read_options
+
+log = logging.getLogger("localm.plugin.chat")
 
 DONE = b"data: [DONE]\n\n"
 
@@ -38,26 +44,45 @@ def _stream(chunks: AsyncIterator[bytes], headers: dict[str, str]) -> sdk.Stream
     return sdk.EventStream(chunks, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
-async def _prepared(host: Any, name: str | None, render: Any, common: Any,
-                    headers: dict[str, str]) -> tuple[Any, list[int], str]:
-    """Load the model and tokenize the prompt: every refusal here is an HTTP status.
+async def _prepared(host: Any, name: str | None, render: Any, common: Any, headers: dict[str, str],
+                    options: Any = None) -> tuple[Any, list[int], str, pipeline.Plan]:
+    """Load the model, tokenize the prompt and check the constraint: every refusal here is an
+    HTTP status.
 
-    Returns the entry, the prompt's tokens and the system_fingerprint; adds the seed echo
-    to ``headers``.
+    ``render(engine)`` returns the prompt's tokens and whether the reply starts inside a
+    reasoning block. Returns the entry, the prompt's tokens, the system_fingerprint and the
+    generation plan; adds the seed echo and the constraint label to ``headers``.
     """
     entry = host.models.resolve(name)
+    plan = pipeline.Plan()
     async with host.models.use(entry.id) as resident:
         engine = resident.engine
-        prompt = render(engine)
-        pipeline.check_fits(len(prompt), engine.capabilities.context_window)
-    caps = engine.capabilities
+        caps = engine.capabilities
+        if options is not None:
+            constraint = options.constraint()
+            if constraint is not None:
+                if not caps.grammar:
+                    raise sdk.LocalmError(400, f"The {engine.engine} engine cannot constrain output",
+                                          code="response_format_unsupported")
+                engine.check_constraint(constraint)
+            if options.logprobs is not None and not caps.logprobs:
+                raise sdk.LocalmError(400, f"The {engine.engine} engine does not report log probabilities",
+                                      code="field_not_honoured", field="logprobs")
+            plan = pipeline.Plan(constraint=constraint, logprobs=options.logprobs, tools=options.tools,
+                                 reasoning=caps.reasoning and options.thinking is not False)
+        prompt, opened = render(engine)
+        plan = attrs.evolve(plan, thinking_open=opened)
+        pipeline.check_fits(len(prompt), caps.context_window)
     seed = common.sampling.seed
     if seed is not None:
         # the promise: the same seed and body repeat the reply, unless a reused prompt cache
         # can change the numbers on this engine
         scope = "request" if caps.cache_exact or not common.cache_prompt else "best-effort"
         headers.update({name: f'{seed};scope="{scope}"' for name in ("X-Localm-Seed", "X-miLLM-Seed")})
-    return entry, prompt, fingerprint(entry, engine)
+    if options is not None and (options.fmt is not None or options.grammar is not None):
+        label = options.fmt.label if options.fmt is not None else "grammar"
+        headers.update({"X-Localm-Constrained": label, "X-miLLM-Constrained": label})
+    return entry, prompt, fingerprint(entry, engine), plan
 
 
 def fingerprint(entry: Any, engine: Any) -> str:
@@ -77,12 +102,59 @@ def _ending(last: dict[str, Any], usage: dict[str, Any], include_usage: bool) ->
     return [_event({**last, "usage": usage}), DONE]
 
 
-async def _collect(host: Any, model: str, prompt: list[int], common: Any, received: float,
-                   outcome: pipeline.Outcome) -> str:
+@attrs.define
+class Reply:
     """A whole reply, for a non-streaming request."""
+    content: list[str] = attrs.Factory(list)
+    reasoning: list[str] = attrs.Factory(list)
+    logprobs: list[dict[str, Any]] = attrs.Factory(list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+
+async def _collect(host: Any, model: str, prompt: list[int], common: Any, received: float,
+                   outcome: pipeline.Outcome, plan: pipeline.Plan) -> Reply:
+    reply = Reply()
     async with host.models.use(model) as resident:
-        pieces = pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics)
-        return "".join([item.text async for item in pieces if isinstance(item, pipeline.Piece)])
+        async for item in pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics, plan):
+            if isinstance(item, pipeline.Piece):
+                reply.content.append(item.text)
+                reply.logprobs.extend(item.logprobs)
+            elif isinstance(item, pipeline.Reasoning):
+                reply.reasoning.append(item.text)
+    return reply
+
+
+def _validated(options: Any, outcome: pipeline.Outcome, text: str) -> None:
+    """A constrained document the model ended itself must parse and validate (500 otherwise)."""
+    if options.fmt is not None and outcome.ended_by_model and not outcome.calls:
+        constrained.validate_output(text, options.fmt)
+
+
+def _chat_logprob(entry: dict[str, Any], token_ids: bool) -> dict[str, Any]:
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": f"token_id:{e['id']}" if token_ids else e["token"], "logprob": e["logprob"],
+                "bytes": e["bytes"]}
+    return {**one(entry), "top_logprobs": [one(t) for t in entry["top"]]}
+
+
+def _first_wins(pairs: Any) -> dict[str, float]:
+    """Two ids that decode to the same text share one entry: the more likely one's."""
+    out: dict[str, float] = {}
+    for key, value in pairs:
+        out.setdefault(key, value)
+    return out
+
+
+def _text_logprobs(entries: list[dict[str, Any]], offset: int, token_ids: bool) -> dict[str, Any]:
+    """OpenAI's legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    def key(e: dict[str, Any]) -> str:
+        return f"token_id:{e['id']}" if token_ids else e["token"]
+    return {"tokens": [key(e) for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [_first_wins((key(t), t["logprob"]) for t in e["top"]) for e in entries],
+            "text_offset": [offset + e["at"] for e in entries]}
 
 
 # --- chat completions ------------------------------------------------------------------
@@ -92,58 +164,88 @@ async def _collect(host: Any, model: str, prompt: list[int], common: Any, receiv
 async def chat_completions(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
-    r = Reader(await _body(request))
+    body = await _body(request)
+    if scoring.wanted(body):
+        return await scoring.serve(request, "chat", body)
+    r = Reader(body)
     common = read_common(r)
     messages = read_messages(r)
+    options = read_options(r, "chat")
     r.done()
     headers = fields.check("chat", r.body, request.headers)
-    body = {"messages": messages, "model": common.model}
-    for _, changed in await host.run_hook("chat_inlet", request=body, context={"route": "chat.completions"}):
+    hooked = {"messages": messages, "model": common.model}
+    for _, changed in await host.run_hook("chat_inlet", request=hooked, context={"route": "chat.completions"}):
         if isinstance(changed, dict):
-            body = changed
-    messages = body["messages"]
+            hooked = changed
+    messages = hooked["messages"]
 
-    def render(engine: Any) -> list[int]:
-        return engine.tokenize(engine.render_chat(messages), add_special=True, parse_special=True)
+    def render(engine: Any) -> tuple[list[int], bool]:
+        return chat_tokens(engine, messages, tools=options.tools, thinking=options.thinking)
 
-    entry, prompt, system_fingerprint = await _prepared(host, common.model, render, common, headers)
+    entry, prompt, system_fingerprint, plan = await _prepared(host, common.model, render, common, headers, options)
     ident = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
     shown = common.model if common.model not in (None, "", "localm") else entry.id
     outcome = pipeline.Outcome()
 
     if not common.stream:
-        text = await _collect(host, entry.id, prompt, common, received, outcome)
-        message = {"role": "assistant", "content": text}
+        reply = await _collect(host, entry.id, prompt, common, received, outcome, plan)
+        _validated(options, outcome, reply.text)
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": None if outcome.calls and not reply.text.strip() else reply.text}
+        if reply.reasoning:
+            message["reasoning_content"] = "".join(reply.reasoning)
+        if outcome.calls:
+            message["tool_calls"] = outcome.calls
+        before = dict(message)
         for _, changed in await host.run_hook("chat_outlet", response=message, context={"route": "chat.completions"}):
             if isinstance(changed, dict):
                 message = changed
+        logprobs = None
+        if options.logprobs is not None:
+            if message != before:
+                log.info("logprobs left out: a chat plugin rewrote the reply")
+            else:
+                logprobs = {"content": [_chat_logprob(e, options.token_ids) for e in reply.logprobs],
+                            "refusal": None}
         return sdk.Response({"id": ident, "object": "chat.completion", "created": created, "model": shown,
                              "system_fingerprint": system_fingerprint,
-                             "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                           "finish_reason": outcome.finish_reason,
                                           "stop_sequence": outcome.stop_sequence}],
                              "usage": pipeline.usage(outcome)}, headers=headers)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         choice.update(extra)
         return _event({"id": ident, "object": "chat.completion.chunk", "created": created, "model": shown,
                        "choices": [choice]})
 
     async def chunks() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
+        content: list[str] = []
         try:
             async with host.models.use(entry.id) as resident:
-                async for item in pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics):
+                async for item in pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics,
+                                               plan):
                     if isinstance(item, pipeline.Piece):
-                        yield chunk({"content": item.text})
+                        content.append(item.text)
+                        logprobs = None
+                        if options.logprobs is not None:
+                            logprobs = {"content": [_chat_logprob(e, options.token_ids) for e in item.logprobs]}
+                        yield chunk({"content": item.text}, logprobs=logprobs)
+                    elif isinstance(item, pipeline.Reasoning):
+                        yield chunk({"reasoning_content": item.text})
+                    elif isinstance(item, pipeline.Call):
+                        index = outcome.calls.index(item.call)
+                        yield chunk({"tool_calls": [{"index": index, **item.call}]})
                     elif item.code == "waiting":
                         yield chunk({"status": item.text, "status_code": item.code})
+            _validated(options, outcome, "".join(content))
         except sdk.LocalmError as exc:  # the stream is open: a refusal now travels in band
             outcome.finish_reason = "error"
             yield chunk({"content": f"\n[inference error: {pipeline.redact(exc.detail)}]"},
-                        localm_error={"status": exc.status, "detail": exc.detail})
+                        localm_error={"status": exc.status, "detail": exc.detail, "code": exc.code})
         last = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": shown,
                 "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}
@@ -160,7 +262,10 @@ async def chat_completions(request: sdk.Request) -> Any:
 async def completions(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
-    r = Reader(await _body(request))
+    body = await _body(request)
+    if scoring.wanted(body):
+        return await scoring.serve(request, "completions", body)
+    r = Reader(body)
     common = read_common(r)
     prompt_text = r.body.get("prompt")
     if isinstance(prompt_text, list) and len(prompt_text) == 1 and isinstance(prompt_text[0], str):
@@ -170,26 +275,33 @@ async def completions(request: sdk.Request) -> Any:
     if not isinstance(prompt_text, str):
         r.errors.append({"key": "prompt", "message": "must be a string"})
     echo = r.get("echo", (bool,), "true or false", False)
+    options = read_options(r, "completions")
     r.done()
     headers = fields.check("completions", r.body, request.headers)
-    entry, prompt, system_fingerprint = await _prepared(
-        host, common.model, lambda e: e.tokenize(prompt_text, add_special=True), common, headers)
+
+    def render(engine: Any) -> tuple[list[int], bool]:
+        return engine.tokenize(prompt_text, add_special=options.add_special), False
+
+    entry, prompt, system_fingerprint, plan = await _prepared(host, common.model, render, common, headers, options)
     ident = "cmpl-" + secrets.token_hex(12)
     created = int(time.time())
     shown = common.model if common.model not in (None, "", "localm") else entry.id
     outcome = pipeline.Outcome()
+    offset = len(prompt_text)
 
     if not common.stream:
-        text = await _collect(host, entry.id, prompt, common, received, outcome)
+        reply = await _collect(host, entry.id, prompt, common, received, outcome, plan)
+        text = reply.text
+        logprobs = None if options.logprobs is None else _text_logprobs(reply.logprobs, offset, options.token_ids)
         return sdk.Response({"id": ident, "object": "text_completion", "created": created, "model": shown,
                              "system_fingerprint": system_fingerprint,
                              "choices": [{"index": 0, "text": (prompt_text + text) if echo else text,
-                                          "logprobs": None, "finish_reason": outcome.finish_reason,
+                                          "logprobs": logprobs, "finish_reason": outcome.finish_reason,
                                           "stop_sequence": outcome.stop_sequence}],
                              "usage": pipeline.usage(outcome, timings=False, capacity=False)}, headers=headers)
 
-    def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, **extra}
+    def chunk(text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, **extra}
         return _event({"id": ident, "object": "text_completion", "created": created, "model": shown,
                        "choices": [choice]})
 
@@ -198,13 +310,17 @@ async def completions(request: sdk.Request) -> Any:
             yield chunk(prompt_text)
         try:
             async with host.models.use(entry.id) as resident:
-                async for item in pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics):
+                async for item in pipeline.run(resident.engine, prompt, common, received, outcome, host.metrics,
+                                               plan):
                     if isinstance(item, pipeline.Piece):
-                        yield chunk(item.text)
+                        logprobs = None
+                        if options.logprobs is not None:
+                            logprobs = _text_logprobs(list(item.logprobs), offset, options.token_ids)
+                        yield chunk(item.text, logprobs=logprobs)
         except sdk.LocalmError as exc:
             outcome.finish_reason = "error"
             yield chunk(f"\n[inference error: {pipeline.redact(exc.detail)}]",
-                        localm_error={"status": exc.status, "detail": exc.detail})
+                        localm_error={"status": exc.status, "detail": exc.detail, "code": exc.code})
         last = {"id": ident, "object": "text_completion", "created": created, "model": shown,
                 "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}

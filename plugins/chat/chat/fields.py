@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from localm import sdk
 
@@ -26,13 +27,18 @@ IGNORED_HEADERS = ("X-Localm-Ignored-Fields", "X-miLLM-Ignored-Fields")
 USED = {
     "chat": {"model", "messages", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "seed",
              "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "max_tokens",
-             "max_completion_tokens", "n", "cache_prompt"},
+             "max_completion_tokens", "n", "cache_prompt", "logprobs", "top_logprobs", "return_tokens_as_token_ids",
+             "response_format", "tools", "tool_choice", "parallel_tool_calls", "grammar", "grammar_lazy",
+             "grammar_triggers", "chat_template_kwargs", "reasoning_effort"},
     "completions": {"model", "prompt", "echo", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
                     "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "max_tokens",
-                    "max_completion_tokens", "n", "cache_prompt"},
+                    "max_completion_tokens", "n", "cache_prompt", "logprobs", "return_tokens_as_token_ids",
+                    "add_special_tokens", "grammar", "grammar_lazy", "grammar_triggers"},
     "embeddings": {"model", "input", "encoding_format"},
 }
-MESSAGE_USED = {"role", "content"}
+MESSAGE_USED = {"role", "content", "untrusted_spans", "origin"}
+#: Message fields read for one role only.
+ROLE_USED = {"assistant": {"tool_calls"}, "tool": {"tool_call_id", "name"}}
 PART_USED = {"type", "text"}
 
 
@@ -57,24 +63,24 @@ def _no_change(key: str, value: Any) -> bool:
 
 #: Output-changing fields no route here honours yet, with what to send instead.
 NOT_HONOURED = {
-    "logprobs": "log probabilities are not served yet",
-    "top_logprobs": "log probabilities are not served yet",
-    "response_format": "structured output is not served yet",
-    "tools": "tool calling is not served yet",
-    "tool_choice": "tool calling is not served yet",
-    "parallel_tool_calls": "tool calling is not served yet",
+    "top_logprobs": "use logprobs (an integer) on text completions",
+    "response_format": "structured output is served on chat completions (use grammar here)",
+    "tools": "tool calling is served on chat completions",
+    "tool_choice": "tool calling is served on chat completions",
+    "parallel_tool_calls": "tool calling is served on chat completions",
     "logit_bias": "token ids differ between models",
     "functions": "the deprecated function-calling fields are not served: send tools",
     "function_call": "the deprecated function-calling fields are not served: send tools and tool_choice",
     "audio": "audio output is not served",
     "modalities": "only text output is served",
     "web_search_options": "web search is not served",
-    "grammar": "grammars are not served yet",
-    "grammar_lazy": "grammars are not served yet",
-    "grammar_triggers": "grammars are not served yet",
-    "chat_template_kwargs": "template variables are not applied yet",
-    "reasoning_effort": "reasoning control is not served yet",
-    "allowed_token_ids": "scoring is not served yet",
+    "chat_template_kwargs": "text completions apply no chat template",
+    "reasoning_effort": "text completions apply no chat template",
+    "allowed_token_ids": "allowed_token_ids is for scoring: it needs max_tokens 1, n 1 and no streaming",
+    "logprobs": "embeddings have no token probabilities",
+    "grammar": "embeddings generate nothing",
+    "grammar_lazy": "embeddings generate nothing",
+    "grammar_triggers": "embeddings generate nothing",
     "dimensions": "embeddings keep the model's own size",
     "profile": "steering is served by the steering plugin",
     "steering_intensity": "steering is served by the steering plugin",
@@ -97,13 +103,17 @@ def strict_mode(headers: Any) -> bool:
     return False
 
 
-def check(route: str, body: dict[str, Any], headers: Any) -> dict[str, str]:
-    """Refuse what cannot be honoured; return the ignored-fields headers to send (maybe none)."""
+def check(route: str, body: dict[str, Any], headers: Any, used: set[str] | None = None) -> dict[str, str]:
+    """Refuse what cannot be honoured; return the ignored-fields headers to send (maybe none).
+
+    ``used`` replaces the route's own set of used fields (scoring requests read other fields).
+    """
+    used = USED[route] if used is None else used
     for key, value in body.items():
-        if key in NOT_HONOURED and key not in USED[route] and not _no_change(key, value):
+        if key in NOT_HONOURED and key not in used and not _no_change(key, value):
             raise sdk.LocalmError(400, f"{key} cannot be honoured on {_ROUTE_NAMES[route]}: {NOT_HONOURED[key]}",
                                   code="field_not_honoured", field=key)
-    unused = list(_unused(route, body))
+    unused = list(_unused(route, body, used))
     strict = strict_mode(headers)
     if not unused:
         return {}
@@ -118,19 +128,23 @@ def check(route: str, body: dict[str, Any], headers: Any) -> dict[str, str]:
 _ROUTE_NAMES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 
-def _unused(route: str, body: dict[str, Any]) -> Iterable[str]:
+def _unused(route: str, body: dict[str, Any], used: set[str]) -> Iterable[str]:
     for key, value in body.items():
-        if key in USED[route]:
+        if key in used:
             continue
         if key in NOT_HONOURED and _no_change(key, value):
             continue  # a "no change" value is honoured by doing nothing
         yield key
+    kwargs = body.get("chat_template_kwargs")
+    if route == "chat" and isinstance(kwargs, dict):
+        yield from (f"chat_template_kwargs.{key}" for key in kwargs if key != "enable_thinking")
     if route == "chat" and isinstance(body.get("messages"), list):
         for i, m in enumerate(body["messages"]):
             if not isinstance(m, dict):
                 continue
+            role_used = ROLE_USED.get(m.get("role"), set())
             for key in m:
-                if key not in MESSAGE_USED and not (key == "tool_calls" and not m[key]):
+                if key not in MESSAGE_USED and key not in role_used and not (key == "tool_calls" and not m[key]):
                     yield f"messages[{i}].{key}"
             if isinstance(m.get("content"), list):
                 for j, part in enumerate(m["content"]):

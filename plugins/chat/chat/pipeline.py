@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import attrs
-
 from localm import sdk
 from localm.sdk import engines as spec
 
@@ -25,7 +25,31 @@ class Status:
 
 @attrs.frozen
 class Piece:
+    """Visible reply text, with the log probabilities of the tokens that spell it (when asked)."""
     text: str
+    logprobs: tuple[dict[str, Any], ...] = ()
+
+
+@attrs.frozen
+class Reasoning:
+    """Text of the model's <think> block."""
+    text: str
+
+
+@attrs.frozen
+class Call:
+    """One tool call, read whole from the reply."""
+    call: dict[str, Any]
+
+
+@attrs.frozen
+class Plan:
+    """What a generation needs besides the prompt and sampling."""
+    constraint: spec.Constraint | None = None
+    logprobs: int | None = None  # None: none; k: each content token with its k most likely alternatives
+    tools: Any = None  # constrained.Tools: calls are read from the reply
+    reasoning: bool = False  # the model may open a <think> block at the start of its reply
+    thinking_open: bool = False  # the prompt already opened one
 
 
 @attrs.define
@@ -38,6 +62,9 @@ class Outcome:
     tokens_per_sec: float | None = None
     context_capacity: int = 0
     error: str | None = None
+    #: the engine ended the reply itself (end of turn or a completed grammar), not a cap or a stop sequence
+    ended_by_model: bool = False
+    calls: list[dict[str, Any]] = attrs.Factory(list)
 
 
 def redact(text: str) -> str:
@@ -45,34 +72,101 @@ def redact(text: str) -> str:
     return _ABSOLUTE_PATH.sub(r"\1", text)
 
 
-class StopCutter:
-    """Holds back just enough text to find a stop sequence split across tokens."""
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+
+class Splitter:
+    """Splits the generated text into reasoning, visible content and tool-call blocks, and
+    finds stop sequences in the visible text only.
+
+    ``feed`` takes more text and returns what is decided, as ``(kind, start, end)`` ranges
+    of the whole generated text: kind is "reasoning", "content", "call" or "stop" (then
+    ``start`` is the stop sequence's index and ``end`` the stop's own index in ``stops``).
+    Just enough text is held back to find a marker or stop sequence split across tokens.
+    """
+
+    def __init__(self, stops: tuple[str, ...], *, reasoning: bool = False, thinking_open: bool = False,
+                 call_open: str | None = None, call_close: str | None = None) -> None:
         self.stops = stops
-        self.keep = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-        self.matched: str | None = None
+        self.call_open, self.call_close = call_open, call_close
+        self.text = ""
+        self.pos = 0
+        self.mode = "think" if thinking_open else ("start" if reasoning else "content")
+        self.trim = thinking_open  # leading whitespace after </think> is not content
+        self.call_start = 0
+        markers = [*stops, *([call_open] if call_open else [])]
+        self.hold = max((len(m) for m in markers), default=1) - 1
+        self.done = False
 
-    def feed(self, text: str) -> str:
-        """The text that is safe to emit now; sets ``matched`` when a stop sequence appears."""
-        self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out
-        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            index, stop = min(hits)
-            self.matched = stop
-            out, self.pending = self.pending[:index], ""
-            return out
-        cut = max(0, len(self.pending) - self.keep)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
+    def feed(self, more: str, final: bool = False) -> list[tuple[str, int, int]]:
+        self.text += more
+        out: list[tuple[str, int, int]] = []
+        while not self.done:
+            before = (self.mode, self.pos)
+            getattr(self, "_" + self.mode)(out, final)
+            if (self.mode, self.pos) == before:
+                break
         return out
 
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+    def _start(self, out: list, final: bool) -> None:
+        head = self.text[self.pos:].lstrip()
+        if head.startswith(THINK_OPEN):
+            self.pos = self.text.index(THINK_OPEN, self.pos) + len(THINK_OPEN)
+            self.mode, self.trim = "think", True
+        elif final or not THINK_OPEN.startswith(head):
+            self.mode = "content"
+
+    def _think(self, out: list, final: bool) -> None:
+        at = self.text.find(THINK_CLOSE, self.pos)
+        if at >= 0:
+            if at > self.pos:
+                out.append(("reasoning", self.pos, at))
+            self.pos, self.mode = at + len(THINK_CLOSE), "content"
+            return
+        end = len(self.text) if final else max(self.pos, len(self.text) - (len(THINK_CLOSE) - 1))
+        if end > self.pos:
+            out.append(("reasoning", self.pos, end))
+            self.pos = end
+
+    def _content(self, out: list, final: bool) -> None:
+        text = self.text
+        if self.trim:
+            while self.pos < len(text) and text[self.pos].isspace():
+                self.pos += 1
+            if self.pos == len(text):
+                return
+            self.trim = False
+        hits = [(i, n) for n, s in enumerate(self.stops) if (i := text.find(s, self.pos)) >= 0]
+        opened = text.find(self.call_open, self.pos) if self.call_open else -1
+        stop = min(hits) if hits else None
+        if stop is not None and (opened < 0 or stop[0] <= opened):
+            if stop[0] > self.pos:
+                out.append(("content", self.pos, stop[0]))
+            out.append(("stop", stop[0], stop[1]))
+            self.pos, self.done = stop[0], True
+            return
+        if opened >= 0:
+            kept = len(text[self.pos:opened].rstrip())  # whitespace before a call is not content
+            if kept:
+                out.append(("content", self.pos, self.pos + kept))
+            # the block's range starts with that whitespace, so a block left as text keeps it
+            self.call_start, self.pos, self.mode = self.pos + kept, opened + len(self.call_open), "call"
+            return
+        end = len(text) if final else max(self.pos, len(text) - self.hold)
+        if not final and self.call_open:  # trailing whitespace waits: a call may follow it
+            end = self.pos + len(text[self.pos:end].rstrip())
+        if end > self.pos:
+            out.append(("content", self.pos, end))
+            self.pos = end
+
+    def _call(self, out: list, final: bool) -> None:
+        at = self.text.find(self.call_close, self.pos)
+        if at >= 0:
+            self.pos, self.mode = at + len(self.call_close), "content"
+            out.append(("call", self.call_start, self.pos))
+        elif final:  # an unfinished call is left as text
+            out.append(("content", self.call_start, len(self.text)))
+            self.pos, self.mode = len(self.text), "content"
 
 
 def check_fits(prompt_tokens: int, window: int) -> None:
@@ -83,10 +177,11 @@ def check_fits(prompt_tokens: int, window: int) -> None:
 
 
 async def run(engine: Any, prompt: list[int], common: Any, received: float, outcome: Outcome,
-              metrics: Any = None) -> AsyncIterator[Status | Piece]:
-    """Generate, yielding status and text; fills ``outcome`` as it goes (and the metrics, when on)."""
+              metrics: Any = None, plan: Plan = Plan()) -> AsyncIterator[Status | Piece | Reasoning | Call]:
+    """Generate, yielding status, text, reasoning and calls; fills ``outcome`` as it goes (and the
+    metrics, when on)."""
     try:
-        async for item in _run(engine, prompt, common, received, outcome):
+        async for item in _run(engine, prompt, common, received, outcome, plan):
             yield item
     finally:
         if metrics is not None and outcome.ttft_ms is not None:
@@ -95,13 +190,78 @@ async def run(engine: Any, prompt: list[int], common: Any, received: float, outc
                                        ttft=outcome.ttft_ms / 1000, tokens_per_sec=outcome.tokens_per_sec)
 
 
-async def _run(engine: Any, prompt: list[int], common: Any, received: float,
-               outcome: Outcome) -> AsyncIterator[Status | Piece]:
+def _entry(engine: Any, token: spec.Token) -> dict[str, Any]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        raw = engine.token_bytes(token_id)
+        return {"id": token_id, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
+                "logprob": logprob}
+    entry = one(token.id, token.logprob if token.logprob is not None else -9999.0)
+    entry["top"] = [one(i, lp) for i, lp in token.top]
+    return entry
+
+
+class _Ledger:
+    """Which tokens spell which characters, so content pieces carry their tokens' probabilities."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int, dict[str, Any]]] = []
+        self.next = 0
+
+    def add(self, start: int, end: int, entry: dict[str, Any]) -> None:
+        entry["at"] = start
+        self.spans.append((start, max(end, start + 1), entry))  # a partial character counts as its next one
+
+    def take(self, start: int, end: int) -> tuple[dict[str, Any], ...]:
+        out = []
+        while self.next < len(self.spans):
+            a, b, entry = self.spans[self.next]
+            if a >= end:
+                break
+            if b > start:
+                out.append(entry)
+            self.next += 1
+        return tuple(out)
+
+
+async def _run(engine: Any, prompt: list[int], common: Any, received: float, outcome: Outcome,
+               plan: Plan) -> AsyncIterator[Status | Piece | Reasoning | Call]:
+    from .constrained import TOOL_CLOSE, TOOL_OPEN, parse_calls
+
     outcome.prompt_tokens = len(prompt)
     outcome.context_capacity = engine.capabilities.context_window
-    cutter = StopCutter(common.stops)
-    request = spec.GenerateRequest(prompt=tuple(prompt), sampling=common.sampling, cache_prompt=common.cache_prompt)
+    tools = plan.tools
+    reading_calls = tools is not None and tools.choice != "none"
+    splitter = Splitter(common.stops, reasoning=plan.reasoning, thinking_open=plan.thinking_open,
+                        call_open=TOOL_OPEN if reading_calls else None, call_close=TOOL_CLOSE)
+    ledger = _Ledger() if plan.logprobs is not None else None
+    request = spec.GenerateRequest(prompt=tuple(prompt), sampling=common.sampling, cache_prompt=common.cache_prompt,
+                                   constraint=plan.constraint, logprobs=plan.logprobs)
     first_at = None
+    ended = False
+
+    def decided(parts: list[tuple[str, int, int]]) -> list[Any]:
+        nonlocal ended
+        items: list[Any] = []
+        for kind, a, b in parts:
+            if kind == "content":
+                items.append(Piece(splitter.text[a:b], ledger.take(a, b) if ledger else ()))
+            elif kind == "reasoning":
+                items.append(Reasoning(splitter.text[a:b]))
+            elif kind == "stop":
+                outcome.finish_reason, outcome.stop_sequence = "stop", common.stops[b]
+                ended = True
+            elif kind == "call":
+                block = splitter.text[a:b]
+                text, calls = parse_calls(block, tools)
+                if calls and (tools.parallel or not outcome.calls):
+                    outcome.calls.extend(calls[:1] if not tools.parallel else calls)
+                    items.extend(Call(c) for c in (calls[:1] if not tools.parallel else calls))
+                    if not tools.parallel:
+                        ended = True  # one call is the whole reply
+                elif text.strip() and not outcome.calls:
+                    items.append(Piece(text, ledger.take(a, b) if ledger else ()))
+        return items
+
     events = engine.generate(request)
     async with contextlib.aclosing(events):
         async for event in events:
@@ -114,24 +274,26 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float,
                 if first_at is None:
                     first_at = time.perf_counter()
                     outcome.ttft_ms = round((first_at - received) * 1000, 1)
-                text = cutter.feed(event.text)
-                if text:
-                    yield Piece(text)
-                if cutter.matched is not None:
-                    outcome.finish_reason = "stop"
-                    outcome.stop_sequence = cutter.matched
+                if ledger is not None:
+                    at = len(splitter.text)
+                    ledger.add(at, at + len(event.text), _entry(engine, event))
+                for item in decided(splitter.feed(event.text)):
+                    yield item
+                if ended:
                     break
             elif isinstance(event, spec.Finished):
-                rest = cutter.flush()
-                if rest:
-                    yield Piece(rest)
+                for item in decided(splitter.feed("", final=True)):
+                    yield item
                 if event.reason == "error":
                     outcome.finish_reason = "error"
                     outcome.error = redact(event.error or "generation failed")
                     yield Piece(f"\n[inference error: {outcome.error}]")
-                else:
+                elif not ended:
                     outcome.finish_reason = "length" if event.reason == "length" else "stop"
+                    outcome.ended_by_model = event.reason == "stop"
                 break
+    if outcome.calls and outcome.finish_reason not in ("error", "length"):
+        outcome.finish_reason, outcome.stop_sequence = "tool_calls", None
     if first_at is not None and outcome.completion_tokens:
         elapsed = time.perf_counter() - first_at
         if outcome.completion_tokens > 1 and elapsed > 0:

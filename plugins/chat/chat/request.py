@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
-
 from localm import sdk
 from localm.sdk import engines as spec
 
@@ -112,7 +112,12 @@ def read_common(r: Reader) -> Common:
                   cache_prompt=cache_prompt)
 
 
+ORIGINS = ("tool", "client")
+
+
 def read_messages(r: Reader) -> list[dict[str, Any]]:
+    """Messages as the pipeline keeps them: role, content, and when sent tool_calls,
+    tool_call_id, name (tool results), untrusted_spans (clamped) and origin."""
     messages = r.body.get("messages")
     if not isinstance(messages, list) or not messages:
         r.errors.append({"key": "messages", "message": "must be a non-empty list of messages"})
@@ -142,5 +147,129 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             r.errors.append({"key": f"messages[{i}].content", "message": "must be a string or a list of parts"})
             continue
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        origin = m.get("origin")
+        if origin is not None:
+            if origin not in ORIGINS:
+                r.errors.append({"key": f"messages[{i}].origin", "message": 'must be "tool", "client" or null'})
+            else:
+                message["origin"] = origin
+        spans = m.get("untrusted_spans")
+        if spans is not None:
+            if not isinstance(spans, list) or not all(
+                    isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                for x in s) for s in spans):
+                r.errors.append({"key": f"messages[{i}].untrusted_spans",
+                                 "message": "must be a list of [start, end] integer pairs"})
+            else:
+                size = len(content)
+                clamped = sorted((max(0, min(a, size)), max(0, min(b, size))) for a, b in spans)
+                message["untrusted_spans"] = [[a, b] for a, b in clamped if b > a]
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _read_calls(r, i, m["tool_calls"])
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(m.get(key), str):
+                    message[key] = m[key]
+        out.append(message)
     return out
+
+
+def _read_calls(r: Reader, i: int, calls: Any) -> list[dict[str, Any]]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        r.errors.append({"key": where, "message": "must be a list of tool calls"})
+        return []
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            r.errors.append({"key": f"{where}[{j}]", "message": "must be a function call with a name"})
+            continue
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                pass  # the model is shown the text as it was sent
+        out.append({"id": call.get("id") if isinstance(call.get("id"), str) else None,
+                    "name": function["name"], "arguments": arguments})
+    return out
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+@attrs.frozen
+class Options:
+    """What a generation asks for beyond sampling: probabilities, constraints, tools, reasoning."""
+
+    logprobs: int | None = None  # None: no probabilities; k: each content token and its k most likely
+    token_ids: bool = False  # return_tokens_as_token_ids
+    fmt: Any = None  # constrained.Format
+    tools: Any = None  # constrained.Tools
+    grammar: tuple[str, str | None] | None = None  # an llguidance grammar from GBNF, and its lazy trigger
+    thinking: bool | None = None  # enable_thinking as the template gets it (None: the model's default)
+    add_special: bool = True  # completions: add the model's BOS
+
+    def constraint(self) -> spec.Constraint | None:
+        from . import constrained
+        if self.grammar is not None:
+            return spec.Constraint(grammar=self.grammar[0], trigger=self.grammar[1])
+        tools = self.tools
+        if tools is not None and tools.choice in ("required", "named"):
+            grammar, trigger = constrained.tools_grammar(tools)
+            return spec.Constraint(grammar=grammar, trigger=trigger)
+        if tools is not None and tools.choice == "auto" and self.fmt is not None:
+            grammar = constrained.format_or_calls_grammar(self.fmt, tools)
+            return spec.Constraint(grammar=grammar)
+        if self.fmt is not None:
+            return spec.Constraint(grammar=self.fmt.grammar)
+        if tools is not None and tools.choice == "auto":
+            grammar, trigger = constrained.tools_grammar(tools)
+            return spec.Constraint(grammar=grammar, trigger=trigger)
+        return None
+
+
+def read_options(r: Reader, route: str) -> Options:
+    from . import constrained
+    body = r.body
+    if route == "chat":
+        wanted = r.get("logprobs", (bool,), "true or false", False)
+        top = r.get("top_logprobs", (int,), "an integer from 0 to 20")
+        if top is not None and not 0 <= top <= 20:
+            raise sdk.LocalmError(400, f"top_logprobs must be from 0 to 20, got {top}", param="top_logprobs")
+        if top and not wanted:
+            raise sdk.LocalmError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (top or 0) if wanted else None
+    else:
+        logprobs = r.get("logprobs", (int,), "an integer from 0 to 20")
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise sdk.LocalmError(400, f"logprobs must be from 0 to 20, got {logprobs}", param="logprobs")
+    token_ids = r.get("return_tokens_as_token_ids", (bool,), "true or false", False)
+    add_special = r.get("add_special_tokens", (bool,), "true or false", True) if route == "completions" else True
+    fmt = constrained.read_response_format(body.get("response_format")) if route == "chat" else None
+    tools = constrained.read_tools(body) if route == "chat" else None
+    grammar = constrained.read_grammar(body)
+    if grammar is not None and (fmt is not None or (tools is not None and tools.choice != "none")):
+        raise sdk.LocalmError(400, "grammar cannot be combined with response_format or tools",
+                              code="invalid_grammar", param="grammar")
+    if fmt is not None and r.body.get("stop"):
+        raise sdk.LocalmError(400, "stop cannot be combined with response_format: a stop sequence could cut the "
+                                   "document and report it complete", code="response_format_unsupported",
+                              param="stop")
+    thinking = None
+    if route == "chat":
+        kwargs = r.get("chat_template_kwargs", (dict,), "an object", {})
+        enable = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
+        if enable is not None and not isinstance(enable, bool):
+            r.errors.append({"key": "chat_template_kwargs.enable_thinking", "message": "must be true or false"})
+            enable = None
+        effort = r.get("reasoning_effort", (str,), "a string")
+        if effort is not None and effort not in EFFORTS:
+            r.errors.append({"key": "reasoning_effort", "message": "must be one of " + ", ".join(EFFORTS)})
+        thinking = enable if enable is not None else (False if effort == "none" else None)
+        if thinking is None and (fmt is not None or (tools is not None and tools.choice in ("required", "named"))):
+            thinking = False  # a format (or a forced call) is answered without thinking unless asked
+    return Options(logprobs=logprobs, token_ids=token_ids, fmt=fmt, tools=tools, grammar=grammar,
+                   thinking=thinking, add_special=add_special)
