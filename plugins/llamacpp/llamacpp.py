@@ -56,6 +56,8 @@ class LlamaEngine:
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template),
             logprobs=True, grammar=spec.Constrainer.available())
+        bos = self.llm.token_bos()
+        self._bos_text = self.llm._model.token_get_text(bos) if bos >= 0 else ""
         self._formatter = None
         if self.template:
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -94,6 +96,8 @@ class LlamaEngine:
 
     # --- text ------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if add_special and parse_special and self._bos_text and text.startswith(self._bos_text):
+            add_special = False  # a chat template that writes the BOS itself: never two
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
