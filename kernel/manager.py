@@ -153,3 +153,69 @@ class ModelManager:
         metrics = self._kernel.metrics
         if metrics is not None:
             metrics.models_loaded = len(self.resident)
+
+    # --- the registry, for surfaces that manage models (the Ollama API) ----------------
+    def entries(self) -> list[ModelEntry]:
+        """Every registered model."""
+        return self.registry.entries()
+
+    async def pull(self, source: str, name: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Register models from ``source`` (what ``localm pull`` accepts), reporting progress.
+
+        Yields ``{"status": text}`` steps, ``{"status": "verifying sha256 digest", "total",
+        "completed"}`` while a file is hashed, and last ``{"status": "success", "models":
+        [ids]}``. A failure raises its LocalmError (before or between the steps).
+        """
+        from .deps import pip_install_sync
+        from .models import pull as pull_model
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+        def put(item: dict[str, Any] | BaseException | None) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if done >= total or now - last[0] >= 0.1:  # at most ten a second
+                last[0] = now
+                put({"status": "verifying sha256 digest", "total": total, "completed": done})
+
+        def work() -> None:
+            try:
+                entries = pull_model(self.registry, source, name=name, log=lambda line: put({"status": line}),
+                                     pip=pip_install_sync, progress=progress)
+                put({"status": "success", "models": [e.id for e in entries]})
+            except BaseException as exc:  # handed to the consumer
+                put(exc)
+            finally:
+                put(None)
+
+        worker = asyncio.ensure_future(asyncio.to_thread(work))
+        try:
+            while (item := await events.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            await worker
+
+    def copy(self, name: str, new_name: str) -> ModelEntry:
+        """Register the files of ``name`` under a second id."""
+        from .models import model_id
+
+        if not new_name.strip():
+            raise LocalmError(400, "The new name must not be empty")
+        entry = self.registry.get(name)
+        copy = attrs.evolve(entry, id=model_id(new_name), aliases=(), created=time.time())
+        return self.registry.add(copy)
+
+    async def remove(self, name: str) -> ModelEntry:
+        """Unload ``name`` (waiting for its requests, as an unload does) and forget it; its files stay."""
+        entry = self.registry.get(name)
+        out = await self.unload_one(entry.id)
+        if out["status"] == "confirm_required":
+            raise LocalmError(409, out["detail"], code="model_busy")
+        return self.registry.remove(entry.id)
