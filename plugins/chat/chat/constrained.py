@@ -55,7 +55,6 @@ import urllib.parse
 from typing import Any
 
 import attrs
-
 from localm import sdk
 
 log = logging.getLogger("localm.plugin.chat")

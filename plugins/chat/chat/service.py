@@ -99,10 +99,30 @@ class Generation:
 
 
 class ChatService:
-    """What other surfaces call; see the module docstring."""
+    """What other surfaces call; see the module docstring.
+
+    A surface may not import the chat plugin's modules, so the item classes it tells apart
+    (``isinstance(item, chat.Piece)``) and the usage renderer are attributes here.
+    """
+
+    Status = pipeline.Status
+    Piece = pipeline.Piece
+    Reasoning = pipeline.Reasoning
+    Call = pipeline.Call
+    TOOL_OPEN, TOOL_CLOSE = constrained.TOOL_OPEN, constrained.TOOL_CLOSE
 
     def __init__(self, host: Any) -> None:
         self.host = host
+
+    @staticmethod
+    def usage(outcome: pipeline.Outcome, *, timings: bool = True, capacity: bool = True) -> dict[str, Any]:
+        """OpenAI's usage block for a finished generation."""
+        return pipeline.usage(outcome, timings=timings, capacity=capacity)
+
+    @staticmethod
+    def redact(text: str) -> str:
+        """An error text with absolute paths cut to file names, as every surface sends it."""
+        return pipeline.redact(text)
 
     async def chat(self, body: dict[str, Any], *, route: str = "chat.completions", request_headers: Any = None,
                    received: float | None = None) -> Generation:
