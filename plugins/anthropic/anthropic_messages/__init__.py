@@ -1,0 +1,80 @@
+"""The anthropic plugin: POST /v1/messages and /v1/messages/count_tokens (the Anthropic Messages API).
+
+A thin surface over the chat service (``host.service("chat")``): the request is read into
+an OpenAI chat body (``translate``), generated on the one chat path, and rendered as an
+Anthropic message or Anthropic's server-sent events (``render``). Errors on these routes
+take Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from localm import sdk
+
+from . import render
+from .translate import to_chat_body
+
+ROUTE = "anthropic"
+#: x_api_key: Anthropic clients send their key as x-api-key (a bearer token still wins)
+OPT = {"x_api_key": True}
+
+
+async def _body(request: sdk.Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
+
+
+@sdk.post("/v1/messages", scope=None, access="inference", error_family="anthropic", opt=OPT,
+          summary="Anthropic Messages")
+async def messages(request: sdk.Request) -> Any:
+    received = time.perf_counter()
+    chat = sdk.host_of(request).service("chat")
+    body = to_chat_body(await _body(request))
+    gen = await chat.chat(body, route=ROUTE, received=received)
+    ident = render.message_id()
+    if body["stream"]:
+        return sdk.EventStream(render.events(gen, chat, ident),
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **gen.headers})
+    reply = await gen.reply()
+    outcome = gen.outcome
+    if outcome.finish_reason == "error":
+        raise sdk.LocalmError(500, outcome.error or "Generation failed")
+    said: dict[str, Any] = {"role": "assistant", "content": reply.text}
+    if reply.reasoning:
+        said["reasoning_content"] = "".join(reply.reasoning)
+    if outcome.calls:
+        said["tool_calls"] = outcome.calls
+    said, _ = await chat.outlet(said, route=ROUTE)
+    return sdk.Response(render.message(ident, gen.model, said.get("content") or "", said.get("reasoning_content") or "",
+                                       said.get("tool_calls") or [], outcome), headers=gen.headers)
+
+
+@sdk.post("/v1/messages/count_tokens", scope=None, access="inference", error_family="anthropic", opt=OPT,
+          summary="Anthropic token count")
+async def count_tokens(request: sdk.Request) -> dict[str, int]:
+    chat = sdk.host_of(request).service("chat")
+    body = to_chat_body(await _body(request), counting=True)
+    return {"input_tokens": await chat.count_tokens(body)}
+
+
+def anthropic_error(status: int, detail: str, code: str | None, extra: dict[str, Any]) -> sdk.Response:
+    """Anthropic's error shape; a body that fails validation (the chat service's 422) is a 400."""
+    if status == 422:
+        status = 400
+    return sdk.Response(render.error_body(status, detail), status_code=status)
+
+
+@sdk.hookimpl
+def startup(host, plugin):
+    host.register_error_renderer("anthropic", anthropic_error, plugin=plugin.name)
+
+
+@sdk.hookimpl
+def register_routes(register):
+    register(messages, count_tokens)
