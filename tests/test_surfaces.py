@@ -1,0 +1,51 @@
+"""Every surface shares the chat pipeline: a chat inlet hook registered by a test plugin
+reaches the OpenAI chat route, the Ollama API, Anthropic Messages and OpenAI Responses,
+and disabling the plugin takes it away from all of them at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import pytest
+
+from conftest import offline_cli
+
+anthropic = pytest.importorskip("anthropic")
+ollama = pytest.importorskip("ollama")
+openai = pytest.importorskip("openai")
+pytest.importorskip("llama_cpp")
+
+MODEL = "smollm2-135m-instruct"
+ASK = [{"role": "user", "content": "Say hi."}]
+SURFACES = ["openai.chat", "ollama", "anthropic", "responses"]
+
+
+def prompt_tokens(url: str) -> dict[str, int]:
+    """The prompt size each surface reports for the same one-message conversation."""
+    chat = openai.OpenAI(base_url=url + "/v1", api_key="open", timeout=120)
+    out = {"openai.chat": chat.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage.prompt_tokens}
+    out["ollama"] = ollama.Client(host=url, timeout=120).chat(
+        model=MODEL, messages=ASK, options={"num_predict": 1}).prompt_eval_count
+    out["anthropic"] = anthropic.Anthropic(base_url=url, api_key="open", timeout=120).messages.create(
+        model=MODEL, messages=ASK, max_tokens=1).usage.input_tokens
+    out["responses"] = chat.responses.create(model=MODEL, input="Say hi.", max_output_tokens=16).usage.input_tokens
+    return out
+
+
+def test_an_inlet_hook_reaches_every_surface(module_server: Callable[..., Any]) -> None:
+    def prepare(data_dir: Path) -> None:
+        offline_cli(data_dir, "plugin", "install", "inletprobe")
+
+    s = module_server(prepare=prepare,
+                      plugins=["chat", "llamacpp", "ollama", "anthropic", "responses", "inletprobe"])
+    hooked = prompt_tokens(s.url)
+    seen = httpx.get(s.url + "/inletprobe/seen").json()["routes"]
+    assert len(seen) == len(SURFACES) and len(set(seen)) == len(SURFACES), seen
+    disabled = s.cli("plugin", "disable", "inletprobe")
+    assert disabled.returncode == 0, disabled.stderr + disabled.stdout
+    plain = prompt_tokens(s.url)
+    for surface in SURFACES:
+        assert hooked[surface] - plain[surface] >= 20, (surface, hooked, plain)
+    assert httpx.get(s.url + "/inletprobe/seen").status_code == 404
