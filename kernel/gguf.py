@@ -51,19 +51,36 @@ def _value(fh: BinaryIO, kind: int) -> Any:
 
 def metadata(path: Path) -> dict[str, Any]:
     """Every key/value of the GGUF header (long arrays summarised as {"array_of": n})."""
+    return header(path)[0]
+
+
+def header(path: Path, *, parameters: bool = False) -> tuple[dict[str, Any], int | None]:
+    """The header's key/values and, when asked, the parameter count summed over the tensor
+    shapes (read from the tensor index; no weight is read)."""
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise GGUFError(f"{Path(path).name} is not a GGUF file")
         version = _read(fh, "<I")
         if version < 2:
             raise GGUFError(f"GGUF version {version} is too old")
-        _read(fh, "<Q")  # tensor count
+        tensors = _read(fh, "<Q")
         kv_count = _read(fh, "<Q")
         out: dict[str, Any] = {}
         for _ in range(kv_count):
             key = _string(fh)
             out[key] = _value(fh, _read(fh, "<I"))
-        return out
+        if not parameters:
+            return out, None
+        total = 0
+        for _ in range(tensors):
+            _string(fh)  # name
+            count = 1
+            for _ in range(_read(fh, "<I")):
+                count *= _read(fh, "<Q")
+            _read(fh, "<I")  # type
+            _read(fh, "<Q")  # offset
+            total += count
+        return out, total
 
 
 #: ``general.file_type`` values (llama.cpp's LLAMA_FTYPE) and their usual names.

@@ -12,9 +12,10 @@ import json
 import struct
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from localm.sdk import engines as spec
+from localm.sdk import gguf
 
 #: Ollama's "forever": what its /api/ps shows for a model kept loaded (time.Duration's maximum).
 FOREVER_NS = 2**63 - 1
@@ -36,71 +37,12 @@ def from_epoch(seconds: float) -> str:
 
 # --- GGUF headers ----------------------------------------------------------------------
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_KEEP_ARRAY = 64
-QUANTIZATIONS = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-                 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-                 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
-                 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M",
-                 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16"}
-
-
-def _read(fh: BinaryIO, fmt: str) -> Any:
-    size = struct.calcsize(fmt)
-    data = fh.read(size)
-    if len(data) != size:
-        raise ValueError("truncated GGUF header")
-    return struct.unpack(fmt, data)[0]
-
-
-def _string(fh: BinaryIO) -> str:
-    n = _read(fh, "<Q")
-    if n > 1 << 26:
-        raise ValueError("implausible string length")
-    return fh.read(n).decode("utf-8", errors="replace")
-
-
-def _value(fh: BinaryIO, kind: int) -> Any:
-    if kind in _SCALARS:
-        return _read(fh, _SCALARS[kind])
-    if kind == _STRING:
-        return _string(fh)
-    if kind == _ARRAY:
-        item, count = _read(fh, "<I"), _read(fh, "<Q")
-        if count <= _KEEP_ARRAY:
-            return [_value(fh, item) for _ in range(count)]
-        if item in _SCALARS:
-            fh.seek(struct.calcsize(_SCALARS[item]) * count, 1)
-        else:
-            for _ in range(count):
-                _value(fh, item)
-        return None  # a long array (token lists, merges) is shown as null, as Ollama does
-    raise ValueError(f"unknown GGUF value type {kind}")
-
-
 @functools.lru_cache(maxsize=64)
 def _gguf(path: str, _version: tuple[int, int]) -> tuple[dict[str, Any], int]:
-    """(metadata, parameter count from the tensor shapes)."""
-    with open(path, "rb") as fh:
-        if fh.read(4) != b"GGUF" or _read(fh, "<I") < 2:
-            raise ValueError("not a GGUF file")
-        tensors, count = _read(fh, "<Q"), _read(fh, "<Q")
-        meta = {}
-        for _ in range(count):
-            key = _string(fh)
-            meta[key] = _value(fh, _read(fh, "<I"))
-        parameters = 0
-        for _ in range(tensors):
-            _string(fh)
-            dims = [_read(fh, "<Q") for _ in range(_read(fh, "<I"))]
-            _read(fh, "<I")
-            _read(fh, "<Q")
-            n = 1
-            for d in dims:
-                n *= d
-            parameters += n
-    return meta, parameters
+    """(metadata with long arrays as null, as Ollama shows them; parameter count from the
+    tensor shapes)."""
+    meta, parameters = gguf.header(Path(path), parameters=True)
+    return {k: None if isinstance(v, dict) and "array_of" in v else v for k, v in meta.items()}, parameters or 0
 
 
 # --- Hugging Face folders -----------------------------------------------------------------
@@ -118,7 +60,7 @@ def _safetensors_parameters(path: Path) -> int:
         with open(path, "rb") as fh:
             size = struct.unpack("<Q", fh.read(8))[0]
             header = json.loads(fh.read(size))
-    except (OSError, ValueError, struct.error):
+    except (OSError, ValueError, struct.error, gguf.GGUFError):
         return 0
     total = 0
     for name, tensor in header.items():
@@ -171,7 +113,7 @@ class Facts:
                 self.template = template if isinstance(template, str) else None
             else:
                 self.config, self.parameters, self.template = _hf(entry.path, _version(entry.path))
-        except (OSError, ValueError, struct.error):
+        except (OSError, ValueError, struct.error, gguf.GGUFError):
             pass  # a file that moved or cannot be read: the registry's own facts still stand
 
     @property
@@ -184,7 +126,7 @@ class Facts:
     def quantization(self) -> str:
         caps = self.entry.capabilities
         if self.entry.type == "gguf":
-            return str(caps.get("quantization") or QUANTIZATIONS.get(self.meta.get("general.file_type", -1), ""))
+            return str(caps.get("quantization") or gguf.FILE_TYPES.get(self.meta.get("general.file_type", -1), ""))
         dtype = str(caps.get("dtype") or self.config.get("torch_dtype") or "")
         return {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}.get(dtype, dtype.upper())
 
