@@ -307,7 +307,8 @@ def test_the_reader_joins_turns_and_translates_tools() -> None:
                 {"type": "text", "text": "Try again?"}]}]})
     assert body["messages"] == [
         {"role": "system", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
-        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "\n\n"},
+                                     {"type": "text", "text": "two"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}],
          "tool_calls": [{"id": "toolu_1", "type": "function",
                          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},

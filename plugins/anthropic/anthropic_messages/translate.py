@@ -109,6 +109,10 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         else:
             raise bad(f"messages.{i}.content: must be a string or a list of content blocks")
         if turns and turns[-1][0] == role:
+            last, first = turns[-1][1][-1][1] if turns[-1][1] else None, blocks[0][1] if blocks else None
+            if all(isinstance(b, dict) and b.get("type") == "text" for b in (last, first)):
+                # two turns' texts stay apart: the chat path joins a message's text parts as they are
+                blocks = [(f"messages.{i}.content", {"type": "text", "text": "\n\n"}), *blocks]
             turns[-1][1].extend(blocks)
         else:
             turns.append((role, blocks))
