@@ -24,6 +24,16 @@ logits before each draw, from the first token or, lazily, from a trigger text on
 Log probabilities are always those of the model's raw logits, before penalties,
 temperature, top-k/p, min-p and the grammar mask. The shared machinery (token masks,
 log-softmax entries) is in :mod:`localm.kernel.constrain`.
+
+A request may also carry forward-pass :class:`Intervention` s (steering) and
+:class:`ActivationRead` s (SAE activations, monitoring): see those classes. They belong to
+that one request: an engine applies them only to its own forward passes (hooks installed
+for the request and removed when it ends), never as state left on the model, so another
+request, :meth:`Engine.embed` and :meth:`Engine.next_token_logits` (which take no
+interventions) always see the unmodified model. That is how embeddings and scoring stay
+unsteered, even while a steered generation runs on the same engine. Only an engine whose
+capabilities say ``interventions=True`` accepts them; any other ends such a request with
+``Finished(reason="error")``.
 """
 
 from __future__ import annotations
@@ -49,7 +59,12 @@ class Capabilities:
     embeddings: bool = False
     logprobs: bool = False
     grammar: bool = False
+    #: Accepts GenerateRequest.interventions and .reads (see Intervention, ActivationRead).
     interventions: bool = False
+    #: The width of the residual stream (the size of an Intervention's delta), and the number
+    #: of decoder layers (an Intervention's ``layer`` is 0 .. layers-1); None when not known.
+    hidden_size: int | None = None
+    layers: int | None = None
     #: Reusing the prompt cache computes the same numbers as starting afresh (so a seed
     #: repeats a reply whatever ran before it).
     cache_exact: bool = True
@@ -92,6 +107,36 @@ class Constraint:
     trigger: str | None = None
 
 
+@attrs.frozen(eq=False)  # a delta may be an array: two interventions are equal only when they are one
+class Intervention:
+    """An additive change to the residual stream, for one request.
+
+    ``delta`` (a 1-D torch tensor, numpy array or list of floats, ``Capabilities.hidden_size``
+    long) is added to the hidden states at the OUTPUT of decoder layer ``layer`` (0-based):
+    what layer ``layer`` passes on to layer ``layer + 1`` (after the last layer: to the final
+    norm). That is SAELens' ``blocks.{layer}.hook_resid_post``. It is added at every position
+    the engine computes for this request, prompt and generated tokens alike. Several
+    interventions on one layer add up. The engine casts the delta to the model's dtype.
+    """
+
+    layer: int
+    delta: Any
+
+
+@attrs.frozen
+class ActivationRead:
+    """Record the residual stream at the output of decoder layer ``layer`` for one request.
+
+    ``point`` "pre" is the layer's output before this request's interventions at that layer
+    (where monitoring reads); "post" is after them (what the next layer receives). Neither
+    is a counterfactual: interventions at earlier layers, and tokens generated under
+    steering, shape both. The result is ``Finished.activations[(layer, point)]``.
+    """
+
+    layer: int
+    point: Literal["pre", "post"] = "post"
+
+
 @attrs.frozen
 class GenerateRequest:
     prompt: tuple[int, ...]
@@ -101,6 +146,12 @@ class GenerateRequest:
     #: None: no probabilities; k >= 0: every Token carries its logprob and the k most likely
     #: alternatives (the OpenAI routes allow 0..20).
     logprobs: int | None = None
+    #: Steering for this request only (see Intervention); needs Capabilities.interventions.
+    interventions: tuple[Intervention, ...] = ()
+    #: Residual-stream reads for this request (see ActivationRead). When any is asked, the
+    #: engine computes the whole prompt afresh (no prompt-cache reuse), so every position is
+    #: present in Finished.activations.
+    reads: tuple[ActivationRead, ...] = ()
 
 
 @attrs.frozen
@@ -136,6 +187,12 @@ class Finished:
     prompt_seconds: float = 0.0
     generate_seconds: float = 0.0
     error: str | None = None
+    #: With GenerateRequest.reads: ``{(layer, point): float32 numpy array (positions, hidden)}``,
+    #: one row per position the engine computed, in order: every prompt token, then each
+    #: generated token that was fed back. The last sampled token is never fed back (a token
+    #: that ended the generation, an end-of-generation token, or the one that reached
+    #: max_tokens), so it has no row. None without reads, or after an error.
+    activations: dict[tuple[int, str], Any] | None = None
 
 
 Event = Queued | Started | Token | Finished
@@ -161,7 +218,8 @@ class Engine(Protocol):
         """Generate; requests to one engine run in arrival order. See the module docstring."""
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
-        """One vector per text (pooled as the model was trained, normalised)."""
+        """One vector per text (pooled as the model was trained, normalised). Never steered: it
+        takes no interventions, and no generation's interventions reach it."""
 
     async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
         """Log-softmax of the model's raw logits for the token after ``prompt``."""
@@ -169,7 +227,8 @@ class Engine(Protocol):
     async def next_token_logits(self, prompt: Sequence[int]) -> Any:
         """The model's raw logits (a float32 ``numpy.ndarray`` of the vocabulary's width) for the
         token after ``prompt``: one forward pass, in turn with generations. It may drop the
-        engine's prompt cache; later generations are unaffected."""
+        engine's prompt cache; later generations are unaffected. Never steered: it takes no
+        interventions, and no generation's interventions reach it."""
 
     def token_bytes(self, token: int) -> bytes:
         """The token's own UTF-8 bytes as the tokenizer spells it (a special token as its text);

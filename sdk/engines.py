@@ -8,6 +8,7 @@ from localm.kernel.constrain import (
     safe_logprob,
 )
 from localm.kernel.engines import (
+    ActivationRead,
     Capabilities,
     Constraint,
     Engine,
@@ -16,6 +17,7 @@ from localm.kernel.engines import (
     Finished,
     FinishReason,
     GenerateRequest,
+    Intervention,
     Queued,
     Sampling,
     Serial,
@@ -23,6 +25,6 @@ from localm.kernel.engines import (
     Token,
 )
 
-__all__ = ["LOGPROB_FLOOR", "Capabilities", "Constrainer", "Constraint", "Engine", "EngineError", "Event",
-           "Finished", "FinishReason", "GenerateRequest", "Queued", "Sampling", "Serial", "Started", "Token",
+__all__ = ["LOGPROB_FLOOR", "ActivationRead", "Capabilities", "Constrainer", "Constraint", "Engine", "EngineError", "Event",
+           "Finished", "FinishReason", "GenerateRequest", "Intervention", "Queued", "Sampling", "Serial", "Started", "Token",
            "TokenMasker", "logprob_entry", "safe_logprob"]

@@ -29,6 +29,15 @@ class Settings:
     n_batch: int = sdk.setting(512, min=1, description="Prompt tokens processed per step")
 
 
+def _meta_int(meta: dict[str, Any], key: str) -> int | None:
+    """A GGUF metadata value as a positive int (llama-cpp-python gives them as strings); None when absent."""
+    try:
+        value = int(meta[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return value if value > 0 else None
+
+
 class LlamaEngine:
     engine = "llamacpp"
 
@@ -49,7 +58,11 @@ class LlamaEngine:
                              n_batch=settings["n_batch"], verbose=False)
         meta = self.llm.metadata
         self.template = meta.get("tokenizer.chat_template")
+        arch = meta.get("general.architecture", "")
         self.capabilities = spec.Capabilities(
+            # llama.cpp offers no per-request hook on the residual stream: no steering, no reads
+            interventions=False, hidden_size=_meta_int(meta, f"{arch}.embedding_length"),
+            layers=_meta_int(meta, f"{arch}.block_count"),
             context_window=self.llm.n_ctx(), chat_template=bool(self.template), embeddings=True,
             # llama.cpp picks kernels by batch size: a reply over a reused cache can differ
             cache_exact=False,
@@ -183,6 +196,11 @@ class LlamaEngine:
         if k is not None and k < 0:
             emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
                                error="logprobs must be 0 or more"))
+            return
+        if request.interventions or request.reads:
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
+                               error="The llama.cpp engine does not accept interventions or activation reads: "
+                                     "load the model with the transformers engine to steer it"))
             return
         llm.set_seed(s.seed if s.seed is not None else random.randrange(2**31))
         if not request.cache_prompt:

@@ -8,6 +8,13 @@ declares. Everything runs on the CPU in float32 and reads local files only.
 Generation is a token-by-token loop over a KV cache in one worker thread, so a request
 that is cancelled stops within a token, and the cache of the last request is reused
 when the next prompt starts with the same tokens (a chat's earlier turns).
+
+Interventions (steering) and activation reads are PyTorch forward hooks on the decoder
+layer modules, registered on the worker thread when a request's decode begins and removed
+when it ends: no hook is ever installed for a request without them, and embeddings and
+scores (which run on the same thread, in turn) never meet one. The prompt cache is reused
+only by a request with the same interventions as the one that filled it, and never by a
+request with reads.
 """
 
 from __future__ import annotations
@@ -136,6 +143,125 @@ def _byte_decoder(tokenizer: Any) -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars)}
 
 
+#: Where causal-LM architectures keep their decoder layers (Llama-like first).
+_LAYER_PATHS = ("model.layers", "model.decoder.layers", "model.language_model.layers", "transformer.h",
+                "transformer.layers", "transformer.blocks", "gpt_neox.layers", "model.transformer.h", "layers")
+
+
+def _decoder_layers(model: Any) -> Any:
+    """The model's decoder layers (a ``torch.nn.ModuleList``), in order; None when not found."""
+    import torch
+    candidates = []
+    decoder = getattr(model, "get_decoder", None)
+    try:
+        base = decoder() if callable(decoder) else None
+    except Exception:  # noqa: BLE001 - a model without one
+        base = None
+    if base is not None:
+        candidates.append(getattr(base, "layers", None))
+    for path in _LAYER_PATHS:
+        node = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        candidates.append(node)
+    for found in candidates:
+        if isinstance(found, torch.nn.ModuleList) and len(found) > 0:
+            return found
+    return None
+
+
+class _Steering:
+    """One request's interventions and reads, checked and ready for the hooks.
+
+    ``deltas``: layer → float32 torch vector (the sum of that layer's interventions);
+    ``reads``: layer → points; ``key`` identifies the interventions (what the prompt cache
+    was computed with); ``rows``: (layer, point) → the captured arrays, one per forward pass.
+    """
+
+    def __init__(self, request: spec.GenerateRequest, layers: int | None, hidden: int | None) -> None:
+        import numpy as np
+        import torch
+        self.deltas: dict[int, Any] = {}
+        self.reads: dict[int, set[str]] = {}
+        self.rows: dict[tuple[int, str], list[Any]] = {}
+        sums: dict[int, Any] = {}
+        for item in request.interventions:
+            layer = self._layer(getattr(item, "layer", None), layers, "An intervention")
+            delta = item.delta
+            if hasattr(delta, "detach"):
+                delta = delta.detach().to("cpu", torch.float32).numpy()
+            try:
+                vector = np.asarray(delta, dtype=np.float32)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"An intervention's delta is not a vector of numbers: {exc}") from None
+            if vector.ndim != 1 or vector.shape[0] != hidden:
+                raise ValueError(f"An intervention's delta has shape {tuple(vector.shape)}; "
+                                 f"this model's hidden size is {hidden}")
+            if not np.isfinite(vector).all():
+                raise ValueError("An intervention's delta holds a value that is not finite")
+            sums[layer] = sums[layer] + vector if layer in sums else vector.copy()
+        self.key = tuple((layer, sums[layer].tobytes()) for layer in sorted(sums))
+        self.deltas = {layer: torch.from_numpy(vector) for layer, vector in sums.items()}
+        for read in request.reads:
+            layer = self._layer(getattr(read, "layer", None), layers, "An activation read")
+            point = getattr(read, "point", None)
+            if point not in ("pre", "post"):
+                raise ValueError(f"An activation read's point must be 'pre' or 'post', not {point!r}")
+            self.reads.setdefault(layer, set()).add(point)
+            self.rows[(layer, point)] = []
+
+    @staticmethod
+    def _layer(layer: Any, layers: int | None, what: str) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool) or layers is None or not 0 <= layer < layers:
+            raise ValueError(f"{what}'s layer must be 0..{(layers or 0) - 1}, not {layer!r}")
+        return layer
+
+    def __bool__(self) -> bool:
+        return bool(self.deltas or self.reads)
+
+    def hook(self, layer: int, dtype: Any, device: Any) -> Callable[..., Any]:
+        delta = self.deltas.get(layer)
+        if delta is not None:
+            delta = delta.to(device=device, dtype=dtype)
+        points = self.reads.get(layer, set())
+        pre = self.rows[(layer, "pre")] if "pre" in points else None
+        post = self.rows[(layer, "post")] if "post" in points else None
+
+        def run(module: Any, args: Any, output: Any) -> Any:
+            hidden = output[0] if isinstance(output, tuple) else output
+            if pre is not None:
+                pre.append(hidden[0].detach().float().cpu().numpy().copy())
+            if delta is not None:
+                hidden = hidden + delta
+            if post is not None:
+                post.append(hidden[0].detach().float().cpu().numpy().copy())
+            if delta is None:
+                return None  # the output as it was
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+        return run
+
+    @contextlib.contextmanager
+    def installed(self, modules: Any, dtype: Any, device: Any):
+        handles = []
+        try:
+            for layer in sorted(set(self.deltas) | set(self.reads)):
+                handles.append(modules[layer].register_forward_hook(self.hook(layer, dtype, device)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def activations(self, hidden: int) -> dict[tuple[int, str], Any] | None:
+        import numpy as np
+        if not self.rows:
+            return None
+        return {key: (np.concatenate(parts, axis=0).astype(np.float32, copy=False) if parts
+                      else np.zeros((0, hidden), dtype=np.float32))
+                for key, parts in self.rows.items()}
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -188,7 +314,14 @@ class TransformersEngine:
         else:
             window = min(settings["n_ctx"], native) if isinstance(native, int) and native > 0 else settings["n_ctx"]
         causal = not self.embedding
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._layers = _decoder_layers(self.model) if causal else None
+        hidden = getattr(text_config, "hidden_size", None)
+        self._hidden = hidden if isinstance(hidden, int) else None
+        count = len(self._layers) if self._layers is not None else getattr(text_config, "num_hidden_layers", None)
         self.capabilities = spec.Capabilities(
+            interventions=self._layers is not None and self._hidden is not None,
+            hidden_size=self._hidden, layers=count if isinstance(count, int) else None,
             context_window=window, chat_template=bool(self.template), embeddings=True, dtype="float32",
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template), logprobs=causal,
@@ -203,6 +336,7 @@ class TransformersEngine:
             "num_logits_to_keep" if "num_logits_to_keep" in params else None)
         self._cache: Any = None  # the KV cache of the last request and the tokens it holds
         self._cached: list[int] = []
+        self._cache_key: tuple = ()  # the interventions the cache was computed with
         self._serial = spec.Serial("transformers", initializer=torch.set_num_threads, initargs=(self._threads,))
         # a fast tokenizer is not safe to use from two threads at once (its truncation settings
         # are mutable state): the event loop and the worker take turns
@@ -351,11 +485,12 @@ class TransformersEngine:
         out = self.model(torch.tensor([ids], dtype=torch.long), **kwargs)
         return out.logits[0, -1].float()
 
-    def _prefill(self, prompt: list[int], reuse: bool, cancel: threading.Event) -> Any:
-        """Logits after ``prompt``, reusing the cached prefix of the last request when allowed;
-        None when cancelled first."""
+    def _prefill(self, prompt: list[int], reuse: bool, cancel: threading.Event, key: tuple = ()) -> Any:
+        """Logits after ``prompt``, reusing the cached prefix of the last request when allowed
+        and computed with the same interventions (``key``); None when cancelled first."""
         start = 0
         cache = self._cache
+        reuse = reuse and key == self._cache_key
         if reuse and cache is not None:
             common = 0
             for a, b in zip(self._cached, prompt):
@@ -372,7 +507,7 @@ class TransformersEngine:
                 start, cache = 0, None
         if not reuse or cache is None or start == 0:
             start, cache = 0, self._new_cache()
-        self._cache, self._cached = cache, prompt[:start]
+        self._cache, self._cached, self._cache_key = cache, prompt[:start], key
         logits = None
         for at in range(start, len(prompt), self._n_batch):
             if cancel.is_set():
@@ -412,13 +547,26 @@ class TransformersEngine:
             emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
                                error="logprobs must be 0 or more"))
             return
+        try:
+            steering = _Steering(request, self.capabilities.layers, self._hidden) \
+                if request.interventions or request.reads else None
+            if steering and not self.capabilities.interventions:
+                raise ValueError("This model does not accept interventions or activation reads")
+        except ValueError as exc:
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=str(exc)))
+            return
+        hooks = contextlib.nullcontext()
+        if steering:
+            weight = next(self.model.parameters())
+            hooks = steering.installed(self._layers, weight.dtype, weight.device)
         generator = torch.Generator().manual_seed(
             (s.seed if s.seed is not None else random.randrange(2**63)) & 0x7FFF_FFFF_FFFF_FFFF)
         generated: list[int] = []
         prefix = read = 0  # incremental detokenization window over ``generated``
         try:
-            with torch.inference_mode():
-                logits = self._prefill(prompt, request.cache_prompt, cancel)
+            with torch.inference_mode(), hooks:
+                logits = self._prefill(prompt, request.cache_prompt and not request.reads, cancel,
+                                       steering.key if steering else ())
                 while True:
                     if cancel.is_set() or logits is None:
                         reason = "cancelled"
@@ -464,7 +612,8 @@ class TransformersEngine:
         ended = time.perf_counter()
         first = first or ended
         emit(spec.Finished(reason=reason, prompt_tokens=len(prompt), completion_tokens=n,
-                           prompt_seconds=first - started, generate_seconds=ended - first, error=error))
+                           prompt_seconds=first - started, generate_seconds=ended - first, error=error,
+                           activations=steering.activations(self._hidden or 0) if steering else None))
 
     def _pick(self, logits: Any, history: list[int], s: spec.Sampling, generator: Any,
               masker: spec.TokenMasker | None = None) -> int:
