@@ -134,11 +134,24 @@ def chat_outlet(response: Any, context: Any) -> Any:
 
 @hookspec
 def forward_interventions(request: Any, model: Any, register: Any) -> None:
-    """Called once per generation on an engine that can intervene in the forward pass.
+    """Called once per chat or text completion, after its fields are read and before its
+    model loads. Embeddings and scoring requests never call it: they are never steered.
 
-    ``register(layer, fn)`` adds ``fn(hidden_states) -> delta or None`` at a layer's
-    residual stream for this request only. Engines that cannot intervene refuse the
-    request before it loads anything.
+    ``request`` is the OpenAI body (other surfaces translate theirs into one); ``model``
+    says what will answer: ``model.id``, ``model.type`` ("gguf" or "hf"), ``model.engine``
+    (the engine plugin's name) and ``model.capabilities`` (the registry's). ``register``
+    collects, for this request only:
+
+    - ``register(layer, delta)``: an :class:`localm.sdk.engines.Intervention`, a delta added
+      to the residual stream at the output of decoder layer ``layer``;
+    - ``register.use(field)``: a request field this plugin reads (so it is neither refused
+      as not honoured nor reported as ignored);
+    - ``register.header(name, value)``: a response header.
+
+    A plugin refuses a request it cannot serve by raising ``LocalmError`` (for example a
+    steering field sent to an engine that cannot intervene: 400 ``field_not_honoured``). An
+    intervention that reaches an engine without ``Capabilities.interventions`` is refused
+    with that 400 once the model is loaded.
     """
 
 

@@ -50,6 +50,7 @@ class Plan:
     tools: Any = None  # constrained.Tools: calls are read from the reply
     reasoning: bool = False  # the model may open a <think> block at the start of its reply
     thinking_open: bool = False  # the prompt already opened one
+    interventions: tuple[spec.Intervention, ...] = ()  # steering for this request (forward_interventions)
 
 
 @attrs.define
@@ -235,7 +236,8 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                         call_open=TOOL_OPEN if reading_calls else None, call_close=TOOL_CLOSE)
     ledger = _Ledger() if plan.logprobs is not None else None
     request = spec.GenerateRequest(prompt=tuple(prompt), sampling=common.sampling, cache_prompt=common.cache_prompt,
-                                   constraint=plan.constraint, logprobs=plan.logprobs)
+                                   constraint=plan.constraint, logprobs=plan.logprobs,
+                                   interventions=plan.interventions)
     first_at = None
     ended = False
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 from localm import sdk
+from localm.sdk import engines as spec
 
 from . import constrained, fields, pipeline
 from .prompt import chat_tokens
@@ -98,6 +99,33 @@ class Generation:
         return reply
 
 
+@attrs.frozen
+class ModelView:
+    """What the forward_interventions hook is told about the model that will answer."""
+    id: str
+    type: str
+    engine: str
+    capabilities: dict[str, Any]
+
+
+class Interventions:
+    """The ``register`` of the forward_interventions hook: deltas, fields read, headers."""
+
+    def __init__(self) -> None:
+        self.items: list[spec.Intervention] = []
+        self.fields: set[str] = set()
+        self.headers: dict[str, str] = {}
+
+    def __call__(self, layer: int, delta: Any) -> None:
+        self.items.append(spec.Intervention(layer=layer, delta=delta))
+
+    def use(self, field: str) -> None:
+        self.fields.add(field)
+
+    def header(self, name: str, value: str) -> None:
+        self.headers[name] = value
+
+
 class ChatService:
     """What other surfaces call; see the module docstring.
 
@@ -138,7 +166,8 @@ class ChatService:
         messages = read_messages(r)
         options = read_options(r, "chat")
         r.done()
-        headers = fields.check("chat", body, request_headers) if request_headers is not None else {}
+        steering = await self._interventions(body, common)
+        headers = self._fields("chat", body, request_headers, steering)
         hooked = {"messages": messages, "model": common.model}
         for _, changed in await self.host.run_hook("chat_inlet", request=hooked, context={"route": route}):
             if isinstance(changed, dict):
@@ -148,7 +177,7 @@ class ChatService:
         def render(engine: Any) -> tuple[list[int], bool]:
             return chat_tokens(engine, messages, tools=options.tools, thinking=options.thinking)
 
-        generation = await self._prepare(common, options, render, headers, received)
+        generation = await self._prepare(common, options, render, headers, received, steering)
         generation.messages = messages
         return generation
 
@@ -169,12 +198,13 @@ class ChatService:
         r.get("echo", (bool,), "true or false", False)
         options = read_options(r, "completions")
         r.done()
-        headers = fields.check("completions", body, request_headers) if request_headers is not None else {}
+        steering = await self._interventions(body, common)
+        headers = self._fields("completions", body, request_headers, steering)
 
         def render(engine: Any) -> tuple[list[int], bool]:
             return engine.tokenize(prompt_text, add_special=options.add_special), False
 
-        return await self._prepare(common, options, render, headers, received)
+        return await self._prepare(common, options, render, headers, received, steering)
 
     async def outlet(self, message: dict[str, Any], *, route: str = "chat.completions") -> tuple[dict[str, Any], bool]:
         """Run the outlet hooks on a finished reply's message; returns it and whether a hook changed it."""
@@ -198,9 +228,31 @@ class ChatService:
         generation = await self.chat(body, route="count_tokens")
         return len(generation.prompt)
 
+    async def _interventions(self, body: dict[str, Any], common: Common) -> Interventions:
+        """Ask the forward_interventions hook for this request's steering (before any load)."""
+        collected = Interventions()
+        try:
+            entry = self.host.models.resolve(common.model)
+        except sdk.LocalmError:
+            return collected  # an unknown model: refused as such once the fields are checked
+        try:
+            engine = self.host.models.engine_name(entry)
+        except sdk.LocalmError:
+            engine = ""  # no engine for this model: _prepare refuses it
+        view = ModelView(id=entry.id, type=entry.type, engine=engine, capabilities=dict(entry.capabilities))
+        await self.host.run_hook("forward_interventions", request=body, model=view, register=collected)
+        return collected
+
+    @staticmethod
+    def _fields(route: str, body: dict[str, Any], request_headers: Any, steering: Interventions) -> dict[str, str]:
+        if request_headers is None:
+            return {}
+        return fields.check(route, body, request_headers, used=fields.USED[route] | steering.fields)
+
     async def _prepare(self, common: Common, options: Options, render: Any, headers: dict[str, str],
-                       received: float) -> Generation:
+                       received: float, steering: Interventions | None = None) -> Generation:
         host = self.host
+        steering = steering or Interventions()
         entry = host.models.resolve(common.model)
         async with host.models.use(entry.id) as resident:
             engine = resident.engine
@@ -214,10 +266,16 @@ class ChatService:
             if options.logprobs is not None and not caps.logprobs:
                 raise sdk.LocalmError(400, f"The {engine.engine} engine does not report log probabilities",
                                       code="field_not_honoured", field="logprobs")
+            if steering.items and not caps.interventions:
+                raise sdk.LocalmError(400, f"The {engine.engine} engine cannot steer a generation",
+                                      code="field_not_honoured", field=min(steering.fields) if steering.fields
+                                      else "steering")
             prompt, opened = render(engine)
             pipeline.check_fits(len(prompt), caps.context_window)
         plan = pipeline.Plan(constraint=constraint, logprobs=options.logprobs, tools=options.tools,
-                             reasoning=caps.reasoning and options.thinking is not False, thinking_open=opened)
+                             reasoning=caps.reasoning and options.thinking is not False, thinking_open=opened,
+                             interventions=tuple(steering.items))
+        headers.update(steering.headers)
         seed = common.sampling.seed
         if seed is not None:
             # the promise: the same seed and body repeat the reply, unless a reused prompt cache
