@@ -1,0 +1,338 @@
+"""The steering plugin, through a real server: SAEs registered from SAELens folders and Gemma
+Scope npz files, attached per layer; feature strengths steer a chat completion exactly as a
+reference PyTorch forward hook adding Σ strength·W_dec[i] at the SAE's layer does; profiles,
+the intensity dial and its header; embeddings and scoring never steered; profiles persist;
+llama.cpp refuses steering fields before loading."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from sae_fixtures import decoder_rows, smollm2_gguf, write_gemma_scope_npz, write_saelens_sae
+
+from localm.sdk.testing import LocalmServer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+openai = pytest.importorskip("openai")
+
+MODEL = "smollm2-135m-instruct"
+ASK = [{"role": "user", "content": "Name a colour."}]
+LAYER = 20
+HIDDEN = 576
+D_SAE = 16
+STRENGTH = 12.0
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+DIAL = "x-millm-steering-intensity"
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    path = smollm2_gguf()
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs).eval()
+    return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def red(reference: Any) -> int:
+    return reference[0].encode(" red", add_special_tokens=False)[0]
+
+
+@pytest.fixture(scope="module")
+def decoder(reference: Any, red: int) -> np.ndarray:
+    """W_dec: row 0 along " red"'s unembedding, the rest random unit rows."""
+    return decoder_rows(reference[1], [red], d_sae=D_SAE)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory, decoder: np.ndarray) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("saes")
+    return {"saelens": write_saelens_sae(root / "red", d_in=HIDDEN, d_sae=D_SAE, layer=LAYER, W_dec=decoder),
+            "npz": write_gemma_scope_npz(root / "scope", d_in=HIDDEN, d_sae=32, seed=1),
+            "narrow": write_saelens_sae(root / "narrow", d_in=64, d_sae=8, layer=3),
+            "twin": write_saelens_sae(root / "twin", d_in=HIDDEN, d_sae=8, layer=LAYER, seed=2)}
+
+
+def reference_logprobs(reference: Any, delta: np.ndarray | None) -> Any:
+    """The next-token log-probabilities after ASK, with ``delta`` added at LAYER's output."""
+    tokenizer, model = reference
+    text = tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    handle = None
+    if delta is not None:
+        d = torch.from_numpy(np.asarray(delta, dtype=np.float32))
+
+        def hook(module: Any, args: Any, output: Any) -> Any:
+            if isinstance(output, tuple):
+                return (output[0] + d, *output[1:])
+            return output + d
+        handle = model.model.layers[LAYER].register_forward_hook(hook)
+    try:
+        with torch.inference_mode():
+            logits = model(ids).logits[0, -1]
+    finally:
+        if handle is not None:
+            handle.remove()
+    return torch.log_softmax(logits.double(), dim=0)
+
+
+@pytest.fixture(scope="module")
+def server(module_server: Callable[..., Any]) -> Any:
+    s = module_server(plugins=["chat", "transformers", "steering"], env=OFFLINE)
+    r = s.owner().post("/v1/plugins/transformers/settings", json={"n_threads": 1})
+    assert r.status_code == 200, r.text
+    return s
+
+
+@pytest.fixture(scope="module")
+def owner(server: Any) -> httpx.Client:
+    return server.owner()
+
+
+@pytest.fixture(scope="module")
+def sae(owner: httpx.Client, files: dict[str, Path]) -> str:
+    """The " red" SAE, registered and attached at LAYER."""
+    r = owner.post("/api/saes", json={"path": str(files["saelens"]), "id": "red"})
+    assert r.status_code == 201, r.text
+    assert r.status_code == 201 and (r.json()["layer"], r.json()["d_in"], r.json()["d_sae"]) == (LAYER, HIDDEN, D_SAE)
+    r = owner.post("/api/saes/red/attach")
+    assert r.status_code == 200, r.text
+    return "red"
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> Any:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused-in-open-mode")
+
+
+def first_token(client: Any, **extra: Any) -> tuple[dict[int, float], dict[str, str]]:
+    """The first reply token's 20 most likely alternatives by token id, and the response headers."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=ASK, max_tokens=2, temperature=0, logprobs=True, top_logprobs=20,
+        extra_body={"return_tokens_as_token_ids": True, **extra})
+    entry = raw.parse().choices[0].logprobs.content[0]
+    return {int(alt.token.split(":")[1]): alt.logprob for alt in entry.top_logprobs}, dict(raw.headers)
+
+
+def matches(steered: dict[int, float], expected: Any) -> bool:
+    return max(abs(lp - float(expected[i])) for i, lp in steered.items()) <= 1e-4
+
+
+def set_feature(owner: httpx.Client, index: int, strength: float, **extra: Any) -> dict[str, Any]:
+    r = owner.post("/api/steering/features", json={"index": index, "strength": strength, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_registering_attaching_and_refusals(owner: httpx.Client, files: dict[str, Path], sae: str) -> None:
+    assert owner.post("/api/saes", json={"path": str(files["npz"])}).json()["code"] == "invalid_parameter"  # no layer
+    r = owner.post("/api/saes", json={"path": str(files["npz"]), "layer": 10, "id": "scope"})
+    assert r.status_code == 201 and r.json()["format"] == "gemma_scope" and r.json()["d_sae"] == 32
+    assert owner.post("/api/saes", json={"path": str(files["npz"]), "layer": 10, "id": "scope"}).status_code == 409
+    assert owner.post("/api/saes", json={"path": "/nowhere"}).status_code == 400
+    r = owner.post("/api/saes", json={"path": str(files["narrow"]), "id": "narrow"})
+    assert r.status_code == 201
+    r = owner.post("/api/saes/narrow/attach")  # d_in 64 against SmolLM2's 576, checked before any load
+    assert r.status_code == 400 and r.json()["code"] == "sae_incompatible"
+    assert "64" in r.json()["detail"] and "576" in r.json()["detail"]
+    assert owner.post("/api/saes/twin/attach").status_code == 404
+
+    assert owner.post("/api/saes/scope/attach").status_code == 200  # a second layer at once
+    assert [(a["layer"], a["sae_id"]) for a in owner.get("/api/steering").json()["attached"]] == [(10, "scope"),
+                                                                                                  (LAYER, "red")]
+    owner.post("/api/saes", json={"path": str(files["twin"]), "id": "twin"})
+    r = owner.post("/api/saes/twin/attach")  # one SAE per layer
+    assert r.status_code == 409 and r.json()["code"] == "sae_layer_taken"
+    assert owner.delete("/api/saes/scope").status_code == 409  # attached
+    assert owner.post("/api/saes/scope/detach").status_code == 200
+    assert owner.get("/api/saes/scope").json()["attached"] is False
+    assert owner.get("/api/saes/red").json()["attached"] is True
+    for sae_id in ("scope", "narrow", "twin"):
+        assert owner.delete(f"/api/saes/{sae_id}").status_code == 200
+    assert [s["id"] for s in owner.get("/api/saes").json()["saes"]] == ["red"]
+    assert owner.get("/api/saes/scope").json()["code"] == "sae_not_found"
+
+
+def test_a_feature_steers_as_a_reference_hook(owner: httpx.Client, client: Any, sae: str, reference: Any,
+                                              decoder: np.ndarray, red: int) -> None:
+    owner.post("/api/steering/clear")
+    plain, headers = first_token(client)
+    unsteered = reference_logprobs(reference, None)
+    assert matches(plain, unsteered) and DIAL not in headers
+    plain_text = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0)
+
+    state = set_feature(owner, 0, STRENGTH, label="red")
+    assert state["live"] and state["features"] == [{"sae_id": "red", "index": 0, "strength": STRENGTH,
+                                                    "label": "red", "layer": LAYER}]
+    steered, headers = first_token(client)
+    expected = reference_logprobs(reference, STRENGTH * decoder[0])
+    assert matches(steered, expected) and DIAL not in headers
+    assert float(expected[red]) > float(unsteered[red])  # steering raised " red"
+    text = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0)
+    assert text.choices[0].message.content != plain_text.choices[0].message.content
+
+    half, headers = first_token(client, steering_intensity=0.5)  # λ halves the delta
+    assert matches(half, reference_logprobs(reference, STRENGTH / 2 * decoder[0]))
+    assert headers[DIAL] == "0.5"
+
+    off, headers = first_token(client, steering_intensity="off")
+    assert matches(off, unsteered) and headers[DIAL] == "0.0"
+
+    assert owner.post("/api/steering/disable").json()["live"] is False
+    disabled, headers = first_token(client, steering_intensity=0.5)
+    assert matches(disabled, unsteered) and DIAL not in headers  # a dial-only request while disabled
+    assert owner.post("/api/steering/enable").json()["live"] is True
+
+
+def test_strengths_are_clamped_and_checked(owner: httpx.Client, sae: str) -> None:
+    state = owner.post("/api/steering/features/batch", json={"features": [
+        {"index": 1, "strength": 500}, {"index": 2, "strength": -900.5}]}).json()
+    assert {f["index"]: f["strength"] for f in state["features"]} == {0: STRENGTH, 1: 200.0, 2: -200.0}
+    r = owner.post("/api/steering/features", json={"index": D_SAE, "strength": 1})
+    assert r.status_code == 400 and r.json()["code"] == "invalid_feature_index"
+    r = owner.post("/api/steering/features/batch", json={"features": [{"index": 3, "strength": 1},
+                                                                      {"index": 4, "strength": "x"}]})
+    assert r.status_code == 400 and len(owner.get("/api/steering").json()["features"]) == 3  # none applied
+    assert owner.delete("/api/steering/features/1").status_code == 200
+    assert owner.delete("/api/steering/features/1").status_code == 404
+    assert owner.delete("/api/steering/features/2").status_code == 200
+    assert [f["index"] for f in owner.get("/api/steering").json()["features"]] == [0]
+
+
+def test_embeddings_and_scoring_are_never_steered(server: Any, owner: httpx.Client, sae: str) -> None:
+    set_feature(owner, 0, STRENGTH)
+    embed = {"model": MODEL, "input": "The sky is blue."}
+    score = {"model": MODEL, "prompt": "The sky is", "max_tokens": 1, "logprobs": 5}
+    steered_vec = httpx.post(server.url + "/v1/embeddings", json=embed, timeout=300).json()["data"]
+    steered_score = httpx.post(server.url + "/v1/completions", json=score, timeout=300).json()["choices"]
+    owner.post("/api/steering/disable")
+    try:
+        assert httpx.post(server.url + "/v1/embeddings", json=embed, timeout=300).json()["data"] == steered_vec
+        assert httpx.post(server.url + "/v1/completions", json=score, timeout=300).json()["choices"] == steered_score
+    finally:
+        owner.post("/api/steering/enable")
+    chat_score = {"model": MODEL, "messages": ASK, "max_tokens": 1, "logprobs": True, "profile": "x"}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat_score, timeout=60)
+    assert r.status_code == 400 and "profile" in r.text
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                                     "steering_intensity": 0.5})
+    assert r.status_code == 400 and r.json()["code"] == "field_not_honoured"
+
+
+def test_profiles_and_the_intensity_dial(owner: httpx.Client, client: Any, sae: str, reference: Any,
+                                         decoder: np.ndarray) -> None:
+    owner.post("/api/steering/clear")
+    doc = {"name": "crimson", "description": "a cluster toward red", "sae": {"id": "elsewhere", "layer": LAYER,
+                                                                              "d_sae": D_SAE},
+           "features": [{"index": 0, "strength": 8.0, "label": "red"}], "intensity_range": [0.5, 1.5]}
+    r = owner.post("/api/profiles/import", json=doc)
+    assert r.status_code == 201, r.text
+    assert owner.post("/api/profiles/import", json=doc).json()["code"] == "profile_exists"
+
+    def at(lam: float) -> Any:
+        return reference_logprobs(reference, lam * 8.0 * decoder[0])
+
+    before = owner.get("/api/steering").json()
+    steered, headers = first_token(client, profile="crimson")  # the stored dial (1.0), no echo
+    assert matches(steered, at(1.0)) and DIAL not in headers
+    for dial, lam in (("max", 1.5), ("min", 0.5), (1.8, 1.5), (0.25, 0.25), (1.0, 1.0)):
+        steered, headers = first_token(client, profile="crimson", steering_intensity=dial)
+        assert matches(steered, at(lam)), dial
+        assert float(headers[DIAL]) == lam, dial
+    for dial in (0, "off"):
+        steered, headers = first_token(client, profile="crimson", steering_intensity=dial)
+        assert matches(steered, reference_logprobs(reference, None)) and float(headers[DIAL]) == 0.0
+    assert owner.get("/api/steering").json() == before  # a per-request profile left the state alone
+
+    for bad in (2.5, -0.1, "loud", True):
+        with pytest.raises(openai.BadRequestError) as err:
+            first_token(client, profile="crimson", steering_intensity=bad)
+        assert err.value.body["code"] == "invalid_parameter"
+    with pytest.raises(openai.NotFoundError) as err:
+        first_token(client, profile="nobody")
+    assert err.value.body["code"] == "profile_not_found"
+    _, headers = first_token(client, steering_intensity=0.5)
+    assert DIAL not in headers  # the live base is empty
+
+    # a cluster without a declared range: "min" is cluster_intensity_min, "max" intensity_max
+    owner.post("/api/profiles", json={"name": "open", "cluster": True, "features": [{"index": 0, "strength": 4.0}]})
+    assert first_token(client, profile="open", steering_intensity="min")[1][DIAL] == "0.5"
+    assert first_token(client, profile="open", steering_intensity="max")[1][DIAL] == "2.0"
+
+    # a profile made for another SAE width is refused; with no SAE attached a profile runs unsteered
+    owner.post("/api/profiles", json={"name": "wide", "sae": {"layer": LAYER, "d_sae": 99},
+                                      "features": [{"index": 0, "strength": 1.0}]})
+    with pytest.raises(openai.BadRequestError):
+        first_token(client, profile="wide")
+    owner.post("/api/saes/red/detach")
+    try:
+        steered, headers = first_token(client, profile="crimson", steering_intensity="max")
+        assert matches(steered, reference_logprobs(reference, None)) and DIAL not in headers
+    finally:
+        owner.post("/api/saes/red/attach")
+
+    # activation: every request steers by the profile and its persistent dial
+    assert owner.patch("/api/profiles/crimson", json={"intensity": 1.4}).json()["intensity"] == 1.4
+    assert owner.patch("/api/profiles/crimson", json={"intensity": 1.6}).status_code == 400  # above the range
+    state = owner.post("/api/profiles/crimson/activate").json()
+    assert state["active_profile"] == "crimson" and state["base"] == "profile"
+    steered, headers = first_token(client)
+    assert matches(steered, at(1.4)) and DIAL not in headers
+    owner.post("/api/profiles/deactivate")
+    assert matches(first_token(client)[0], reference_logprobs(reference, None))
+
+    # export, delete, import: the same document
+    exported = owner.get("/api/profiles/crimson/export").json()
+    assert exported["features"] == [{"index": 0, "strength": 8.0, "label": "red"}]
+    assert exported["intensity_range"] == [0.5, 1.5] and exported["sae"]["d_sae"] == D_SAE
+    assert owner.delete("/api/profiles/crimson").status_code == 200
+    assert owner.get("/api/profiles/crimson").status_code == 404
+    assert owner.post("/api/profiles/import", json=exported).status_code == 201
+    assert owner.get("/api/profiles/crimson/export").json() == exported
+    assert {p["name"] for p in owner.get("/api/profiles").json()["profiles"]} == {"crimson", "open", "wide"}
+
+    # a profile saved from the live values
+    set_feature(owner, 3, -2.5)
+    saved = owner.post("/api/profiles", json={"name": "live"}).json()
+    assert saved["features"] == [{"index": 3, "strength": -2.5}] and saved["sae"]["id"] == "red"
+    owner.post("/api/steering/clear")
+
+
+def test_profiles_persist_across_a_restart(tmp_path: Path, files: dict[str, Path]) -> None:
+    data = tmp_path / "data"
+    first = LocalmServer(data, plugins=["chat", "steering"], env=OFFLINE).start()
+    try:
+        owner = first.owner()
+        assert owner.post("/api/saes", json={"path": str(files["saelens"]), "id": "red"}).status_code == 201
+        r = owner.post("/api/profiles", json={"name": "kept", "description": "d", "sae": {"id": "red"},
+                                              "features": [{"index": 2, "strength": 3.0}], "intensity_range": [0, 1]})
+        assert r.status_code == 201, r.text
+        kept = owner.get("/api/profiles/kept").json()
+    finally:
+        first.stop()
+    assert not [p for p in (data / "plugin-data" / "steering").iterdir() if p.name.endswith(".tmp")]
+    second = LocalmServer(data, plugins=["chat", "steering"], env=OFFLINE).start()
+    try:
+        owner = second.owner()
+        assert owner.get("/api/profiles/kept").json() == kept
+        assert [s["id"] for s in owner.get("/api/saes").json()["saes"]] == ["red"]
+    finally:
+        second.stop()
+
+
+def test_llamacpp_refuses_steering_fields_before_loading(module_server: Callable[..., Any]) -> None:
+    pytest.importorskip("llama_cpp")
+    s = module_server(plugins=["chat", "llamacpp", "steering"])
+    for field, value in (("profile", "anything"), ("steering_intensity", 0.5)):
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": ASK, field: value})
+        assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == field
+    assert s.owner().get("/v1/models").json()["data"][0]["loaded"] is False
