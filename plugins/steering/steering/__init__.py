@@ -277,6 +277,10 @@ class Steering:
             lam = hi
         else:
             lam = min(dial, hi)
+        if lam <= 0.0:  # a range or a stored dial that starts at 0: nothing to add
+            if dial is not None:
+                echo(register, 0.0)
+            return
         if profile is not None:
             sae = self.profile_target(profile)
             if sae is None:
