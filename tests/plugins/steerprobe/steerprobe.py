@@ -1,5 +1,6 @@
-"""A forward_interventions hook: ``probe_delta: {"layer": L, "delta": [...]}`` on a chat or
-text completion adds that delta at layer L's output for this request only."""
+"""A forward_interventions hook: ``probe_delta: {"layer": L, "delta": [...]}`` (or a list of
+them) on a chat or text completion adds each delta at its layer's output for this request
+only. The steering bench uses it too."""
 
 from localm import sdk
 
@@ -13,5 +14,7 @@ def forward_interventions(request, model, register):
     if model.engine == "llamacpp":
         raise sdk.LocalmError(400, "probe_delta cannot be honoured: llama.cpp cannot steer",
                               code="field_not_honoured", field="probe_delta")
-    register(int(probe["layer"]), [float(x) for x in probe["delta"]])
-    register.header("X-Steerprobe", str(probe["layer"]))
+    probes = probe if isinstance(probe, list) else [probe]
+    for one in probes:
+        register(int(one["layer"]), [float(x) for x in one["delta"]])
+    register.header("X-Steerprobe", ",".join(str(one["layer"]) for one in probes))
