@@ -61,25 +61,27 @@ def files(tmp_path_factory: pytest.TempPathFactory, decoder: np.ndarray) -> dict
             "twin": write_saelens_sae(root / "twin", d_in=HIDDEN, d_sae=8, layer=LAYER, seed=2)}
 
 
-def reference_logprobs(reference: Any, delta: np.ndarray | None) -> Any:
-    """The next-token log-probabilities after ASK, with ``delta`` added at LAYER's output."""
+def reference_logprobs(reference: Any, delta: np.ndarray | dict[int, np.ndarray] | None) -> Any:
+    """The next-token log-probabilities after ASK, with ``delta`` added at LAYER's output (or
+    each of ``{layer: delta}`` at its layer's) by a plain PyTorch forward hook."""
     tokenizer, model = reference
     text = tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    handle = None
-    if delta is not None:
-        d = torch.from_numpy(np.asarray(delta, dtype=np.float32))
+    deltas = {} if delta is None else delta if isinstance(delta, dict) else {LAYER: delta}
+    handles = []
+    for layer, vector in deltas.items():
+        d = torch.from_numpy(np.asarray(vector, dtype=np.float32))
 
-        def hook(module: Any, args: Any, output: Any) -> Any:
+        def hook(module: Any, args: Any, output: Any, d: Any = d) -> Any:
             if isinstance(output, tuple):
                 return (output[0] + d, *output[1:])
             return output + d
-        handle = model.model.layers[LAYER].register_forward_hook(hook)
+        handles.append(model.model.layers[layer].register_forward_hook(hook))
     try:
         with torch.inference_mode():
             logits = model(ids).logits[0, -1]
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
     return torch.log_softmax(logits.double(), dim=0)
 
@@ -190,6 +192,26 @@ def test_a_feature_steers_as_a_reference_hook(owner: httpx.Client, client: Any, 
     disabled, headers = first_token(client, steering_intensity=0.5)
     assert matches(disabled, unsteered) and DIAL not in headers  # a dial-only request while disabled
     assert owner.post("/api/steering/enable").json()["live"] is True
+
+
+def test_two_layers_steer_at_once(owner: httpx.Client, client: Any, sae: str, reference: Any,
+                                 decoder: np.ndarray, files: dict[str, Path]) -> None:
+    r = owner.post("/api/saes", json={"path": str(files["npz"].parent), "layer": 10, "id": "scope10"})
+    assert r.status_code == 201, r.text
+    assert owner.post("/api/saes/scope10/attach").status_code == 200
+    try:
+        r = owner.post("/api/steering/features", json={"index": 0, "strength": STRENGTH})
+        assert r.status_code == 400 and "name sae_id" in r.json()["detail"]  # two SAEs attached: which one?
+        set_feature(owner, 0, STRENGTH, sae_id="red")
+        set_feature(owner, 7, -6.0, sae_id="scope10")
+        steered, _ = first_token(client)
+        with np.load(files["npz"]) as z:
+            scope = z["W_dec"]
+        assert matches(steered, reference_logprobs(reference, {LAYER: STRENGTH * decoder[0], 10: -6.0 * scope[7]}))
+    finally:
+        owner.post("/api/saes/scope10/detach")
+        owner.delete("/api/saes/scope10")
+    assert [f["sae_id"] for f in owner.get("/api/steering").json()["features"]] == ["red"]
 
 
 def test_strengths_are_clamped_and_checked(owner: httpx.Client, sae: str) -> None:
@@ -326,6 +348,18 @@ def test_profiles_persist_across_a_restart(tmp_path: Path, files: dict[str, Path
         assert [s["id"] for s in owner.get("/api/saes").json()["saes"]] == ["red"]
     finally:
         second.stop()
+    broken = data / "plugin-data" / "steering" / "profiles.json"
+    broken.write_text("{not json")
+    third = LocalmServer(data, plugins=["chat", "steering"], env=OFFLINE).start()
+    try:
+        owner = third.owner()
+        r = owner.get("/api/profiles")
+        assert r.status_code == 409 and r.json()["code"] == "unreadable_file"
+        assert owner.post("/api/profiles", json={"name": "new", "features": []}).status_code == 409
+        assert owner.get("/api/saes").status_code == 200  # the other files are served as before
+    finally:
+        third.stop()
+    assert broken.read_text() == "{not json"  # never overwritten
 
 
 def test_llamacpp_refuses_steering_fields_before_loading(module_server: Callable[..., Any]) -> None:
