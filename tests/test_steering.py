@@ -13,9 +13,13 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from sae_fixtures import decoder_rows, smollm2_gguf, write_gemma_scope_npz, write_saelens_sae
-
 from localm.sdk.testing import LocalmServer
+from sae_fixtures import (
+    decoder_rows,
+    smollm2_gguf,
+    write_gemma_scope_npz,
+    write_saelens_sae,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
