@@ -323,6 +323,9 @@ def test_profiles_and_the_intensity_dial(owner: httpx.Client, client: Any, sae: 
     assert owner.get("/api/profiles/crimson").status_code == 404
     assert owner.post("/api/profiles/import", json=exported).status_code == 201
     assert owner.get("/api/profiles/crimson/export").json() == exported
+    renamed = {**exported, "description": "replaced"}
+    assert owner.post("/api/profiles/import", params={"overwrite": "true"}, json=renamed).status_code == 201
+    assert owner.get("/api/profiles/crimson").json()["description"] == "replaced"
     assert {p["name"] for p in owner.get("/api/profiles").json()["profiles"]} == {"crimson", "open", "wide"}
 
     # a profile saved from the live values
