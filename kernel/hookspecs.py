@@ -146,7 +146,13 @@ def forward_interventions(request: Any, model: Any, register: Any) -> None:
       to the residual stream at the output of decoder layer ``layer``;
     - ``register.use(field)``: a request field this plugin reads (so it is neither refused
       as not honoured nor reported as ignored);
-    - ``register.header(name, value)``: a response header.
+    - ``register.header(name, value)``: a response header;
+    - ``register.read(layer, point, done)``: read the residual at ``layer``'s output, before
+      (``"pre"``) or after (``"post"``) this request's interventions there; when the
+      generation ends, ``done(rows, prompt_ids, generated_ids)`` gets the rows (a float32
+      array, positions × hidden: the prompt, then each generated token fed back) and returns
+      a dict of fields added to the response (a streamed reply sends them in one last chunk
+      with empty ``choices``).
 
     A plugin refuses a request it cannot serve by raising ``LocalmError`` (for example a
     steering field sent to an engine that cannot intervene: 400 ``field_not_honoured``). An

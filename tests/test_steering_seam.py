@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import offline_cli
+from conftest import offline_cli, sse_events
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -118,6 +118,25 @@ def test_steering_never_reaches_scoring_embeddings_or_the_next_request(server: A
     assert r.status_code == 200 and r.headers["x-steerprobe"] == str(LAYER)
     after = first_token(server, {"cache_prompt": False})
     assert after == before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_activation_reads_come_back_with_the_reply(server: Any, reference: Any, stream: bool) -> None:
+    _, delta = steer_direction(reference, " red", 12.0)
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 5, "temperature": 0, "cache_prompt": False,
+            "probe_delta": {"layer": LAYER, "delta": delta}, "probe_read": "both"}
+    if not stream:
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300).json()
+        probe, usage = reply["probe"], reply["usage"]
+    else:
+        events = list(sse_events(server, "/v1/chat/completions", {**body, "stream": True}))
+        extra = [e for e in events if not e["choices"] and "probe" in e]
+        assert len(extra) == 1
+        probe, usage = extra[0]["probe"], events[-1]["usage"]
+    # every prompt position, then each generated token fed back (the last one never is)
+    generated = usage["completion_tokens"]
+    assert probe["positions"] == usage["prompt_tokens"] + generated - (1 if generated == 5 else 0)
+    assert probe["max_delta_error"] < 1e-3  # float32 rounding of residuals of a few hundred
 
 
 def test_llamacpp_refuses_steering_before_loading(module_server: Callable[..., Any]) -> None:

@@ -112,7 +112,7 @@ async def chat_completions(request: sdk.Request) -> Any:
                              "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                           "finish_reason": outcome.finish_reason,
                                           "stop_sequence": outcome.stop_sequence}],
-                             "usage": pipeline.usage(outcome)}, headers=gen.headers)
+                             "usage": pipeline.usage(outcome), **gen.extra}, headers=gen.headers)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -140,6 +140,9 @@ async def chat_completions(request: sdk.Request) -> Any:
             outcome.finish_reason = "error"
             yield chunk({"content": f"\n[inference error: {pipeline.redact(exc.detail)}]"},
                         localm_error={"status": exc.status, "detail": exc.detail, "code": exc.code})
+        if gen.extra:  # what readers added (SAE activations): one chunk with empty choices
+            yield _event({"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model,
+                          "choices": [], **gen.extra})
         last = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model,
                 "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}
@@ -178,7 +181,8 @@ async def completions(request: sdk.Request) -> Any:
                              "choices": [{"index": 0, "text": (prompt_text + text) if echo else text,
                                           "logprobs": logprobs, "finish_reason": outcome.finish_reason,
                                           "stop_sequence": outcome.stop_sequence}],
-                             "usage": pipeline.usage(outcome, timings=False, capacity=False)}, headers=gen.headers)
+                             "usage": pipeline.usage(outcome, timings=False, capacity=False), **gen.extra},
+                            headers=gen.headers)
 
     def chunk(text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, **extra}
@@ -199,6 +203,9 @@ async def completions(request: sdk.Request) -> Any:
             outcome.finish_reason = "error"
             yield chunk(f"\n[inference error: {pipeline.redact(exc.detail)}]",
                         localm_error={"status": exc.status, "detail": exc.detail, "code": exc.code})
+        if gen.extra:
+            yield _event({"id": ident, "object": "text_completion", "created": created, "model": gen.model,
+                          "choices": [], **gen.extra})
         last = {"id": ident, "object": "text_completion", "created": created, "model": gen.model,
                 "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}

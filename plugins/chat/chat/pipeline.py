@@ -51,6 +51,7 @@ class Plan:
     reasoning: bool = False  # the model may open a <think> block at the start of its reply
     thinking_open: bool = False  # the prompt already opened one
     interventions: tuple[spec.Intervention, ...] = ()  # steering for this request (forward_interventions)
+    reads: tuple[spec.ActivationRead, ...] = ()  # residual reads for this request (forward_interventions)
 
 
 @attrs.define
@@ -66,6 +67,9 @@ class Outcome:
     #: the engine ended the reply itself (end of turn or a completed grammar), not a cap or a stop sequence
     ended_by_model: bool = False
     calls: list[dict[str, Any]] = attrs.Factory(list)
+    #: the generated token ids, and the engine's activation reads when the plan asked for any
+    token_ids: list[int] = attrs.Factory(list)
+    activations: dict[tuple[int, str], Any] | None = None
 
 
 def redact(text: str) -> str:
@@ -237,7 +241,7 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
     ledger = _Ledger() if plan.logprobs is not None else None
     request = spec.GenerateRequest(prompt=tuple(prompt), sampling=common.sampling, cache_prompt=common.cache_prompt,
                                    constraint=plan.constraint, logprobs=plan.logprobs,
-                                   interventions=plan.interventions)
+                                   interventions=plan.interventions, reads=plan.reads)
     first_at = None
     ended = False
 
@@ -273,6 +277,7 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                 yield Status("generating", "Generating")
             elif isinstance(event, spec.Token):
                 outcome.completion_tokens += 1
+                outcome.token_ids.append(event.id)
                 if first_at is None:
                     first_at = time.perf_counter()
                     outcome.ttft_ms = round((first_at - received) * 1000, 1)
@@ -284,6 +289,7 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                 if ended:
                     break
             elif isinstance(event, spec.Finished):
+                outcome.activations = event.activations
                 for item in decided(splitter.feed("", final=True)):
                     yield item
                 if event.reason == "error":

@@ -72,6 +72,9 @@ class Generation:
     received: float  # time.perf_counter() when the request arrived
     messages: list[dict[str, Any]] | None = None  # the messages after the inlet hooks (chat only)
     outcome: pipeline.Outcome = attrs.Factory(pipeline.Outcome)
+    reads: list[tuple[Any, Any]] = attrs.Factory(list)  # (ActivationRead, done) from forward_interventions
+    #: fields the forward_interventions readers add to the response, filled when the generation ends
+    extra: dict[str, Any] = attrs.Factory(dict)
 
     async def items(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning | pipeline.Call]:
         """Generate. A constrained document the model ended itself is validated at the end:
@@ -86,6 +89,11 @@ class Generation:
         fmt = self.options.fmt
         if fmt is not None and self.outcome.ended_by_model and not self.outcome.calls:
             constrained.validate_output("".join(content), fmt)
+        activations = self.outcome.activations or {}
+        for read, done in self.reads:
+            rows = activations.get((read.layer, read.point))
+            if rows is not None:
+                self.extra.update(done(rows, list(self.prompt), list(self.outcome.token_ids)) or {})
 
     async def reply(self) -> Reply:
         """The whole reply (for a non-streaming request)."""
@@ -115,6 +123,7 @@ class Interventions:
         self.items: list[spec.Intervention] = []
         self.fields: set[str] = set()
         self.headers: dict[str, str] = {}
+        self.reads: list[tuple[spec.ActivationRead, Any]] = []
 
     def __call__(self, layer: int, delta: Any) -> None:
         self.items.append(spec.Intervention(layer=layer, delta=delta))
@@ -124,6 +133,13 @@ class Interventions:
 
     def header(self, name: str, value: str) -> None:
         self.headers[name] = value
+
+    def read(self, layer: int, point: str, done: Any) -> None:
+        """Read the residual at ``layer``'s output (``point`` "pre" or "post" this request's
+        interventions); after the generation ``done(activations, prompt_ids, generated_ids)``
+        gets the rows (a float32 array, positions × hidden) and returns a dict of fields to
+        add to the response (for example ``{"millm": {...}}``)."""
+        self.reads.append((spec.ActivationRead(layer=layer, point=point), done))
 
 
 class ChatService:
@@ -266,7 +282,7 @@ class ChatService:
             if options.logprobs is not None and not caps.logprobs:
                 raise sdk.LocalmError(400, f"The {engine.engine} engine does not report log probabilities",
                                       code="field_not_honoured", field="logprobs")
-            if steering.items and not caps.interventions:
+            if (steering.items or steering.reads) and not caps.interventions:
                 raise sdk.LocalmError(400, f"The {engine.engine} engine cannot steer a generation",
                                       code="field_not_honoured", field=min(steering.fields) if steering.fields
                                       else "steering")
@@ -274,7 +290,7 @@ class ChatService:
             pipeline.check_fits(len(prompt), caps.context_window)
         plan = pipeline.Plan(constraint=constraint, logprobs=options.logprobs, tools=options.tools,
                              reasoning=caps.reasoning and options.thinking is not False, thinking_open=opened,
-                             interventions=tuple(steering.items))
+                             interventions=tuple(steering.items), reads=tuple(r for r, _ in steering.reads))
         headers.update(steering.headers)
         seed = common.sampling.seed
         if seed is not None:
@@ -287,4 +303,5 @@ class ChatService:
             headers.update({"X-Localm-Constrained": label, "X-miLLM-Constrained": label})
         shown = common.model if common.model not in (None, "", "localm") else entry.id
         return Generation(host=host, entry=entry, prompt=prompt, fingerprint=fingerprint(entry, engine), plan=plan,
-                          common=common, options=options, headers=headers, model=shown, received=received)
+                          common=common, options=options, headers=headers, model=shown, received=received,
+                          reads=list(steering.reads))
