@@ -360,7 +360,10 @@ def current() -> Steering:
 
 @sdk.hookimpl
 def startup(host: Any, plugin: Any) -> None:
-    _STATE["steering"] = Steering(host, plugin)
+    state = Steering(host, plugin)
+    _STATE["steering"] = state
+    # for plugins that read SAEs (activations, circuits): .sae(id), .attached(), .decoder(sae)
+    host.provide("steering", state, plugin=plugin.name)
 
 
 @sdk.hookimpl
