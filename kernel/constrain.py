@@ -263,3 +263,17 @@ class Constrainer:
         else:
             _check_shape(constraint)
         return TokenMasker(self.tokenizer, constraint, self._token_bytes)
+
+    def start(self, request: Any) -> tuple[TokenMasker | None, str | None]:
+        """What a decode needs before its first token: the request's masker (None without a
+        constraint), or the error that ends the request (a grammar that cannot be used, a
+        negative ``logprobs``)."""
+        masker = None
+        if request.constraint is not None:
+            try:
+                masker = self.masker(request.constraint)
+            except Exception as exc:  # a bad grammar, or no llguidance tokenizer for this vocabulary
+                return None, exc.detail if isinstance(exc, LocalmError) else f"The grammar cannot be used: {exc}"
+        if request.logprobs is not None and request.logprobs < 0:
+            return None, "logprobs must be 0 or more"
+        return masker, None

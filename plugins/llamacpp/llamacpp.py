@@ -184,19 +184,11 @@ class LlamaEngine:
         llm = self.llm
         n_ctx = llm.n_ctx()
         prompt = list(request.prompt)
-        masker = None
-        if request.constraint is not None:
-            try:
-                masker = self._constrainer.masker(request.constraint)
-            except Exception as exc:  # a bad grammar, or no llguidance tokenizer for this vocabulary
-                detail = exc.detail if isinstance(exc, sdk.LocalmError) else f"The grammar cannot be used: {exc}"
-                emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=detail))
-                return
-        k = request.logprobs
-        if k is not None and k < 0:
-            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
-                               error="logprobs must be 0 or more"))
+        masker, refused = self._constrainer.start(request)
+        if refused is not None:
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=refused))
             return
+        k = request.logprobs
         if request.interventions or request.reads:
             emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
                                error="The llama.cpp engine does not accept interventions or activation reads: "

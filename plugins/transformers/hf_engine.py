@@ -534,19 +534,11 @@ class TransformersEngine:
             emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
                                error=f"The prompt is {len(prompt)} tokens; the context window is {self._n_ctx}"))
             return
-        masker = None
-        if request.constraint is not None:
-            try:
-                masker = self._constrainer.masker(request.constraint)
-            except Exception as exc:  # a bad grammar, or no llguidance tokenizer for this vocabulary
-                detail = exc.detail if isinstance(exc, sdk.LocalmError) else f"The grammar cannot be used: {exc}"
-                emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=detail))
-                return
-        k = request.logprobs
-        if k is not None and k < 0:
-            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
-                               error="logprobs must be 0 or more"))
+        masker, refused = self._constrainer.start(request)
+        if refused is not None:
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=refused))
             return
+        k = request.logprobs
         try:
             steering = _Steering(request, self.capabilities.layers, self._hidden) \
                 if request.interventions or request.reads else None
