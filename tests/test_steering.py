@@ -292,6 +292,14 @@ def test_profiles_and_the_intensity_dial(owner: httpx.Client, client: Any, sae: 
     owner.post("/api/profiles", json={"name": "open", "cluster": True, "features": [{"index": 0, "strength": 4.0}]})
     assert first_token(client, profile="open", steering_intensity="min")[1][DIAL] == "0.5"
     assert first_token(client, profile="open", steering_intensity="max")[1][DIAL] == "2.0"
+    r = owner.post("/v1/plugins/steering/settings", json={"cluster_intensity_min": 0.75, "intensity_max": 1.25})
+    assert r.status_code == 200, r.text
+    try:
+        assert first_token(client, profile="open", steering_intensity="min")[1][DIAL] == "0.75"
+        assert first_token(client, profile="open", steering_intensity=1.9)[1][DIAL] == "1.25"
+        assert first_token(client, profile="crimson", steering_intensity="max")[1][DIAL] == "1.25"  # range ∩ envelope
+    finally:
+        owner.post("/v1/plugins/steering/settings", json={"cluster_intensity_min": None, "intensity_max": None})
 
     # a profile made for another SAE width is refused; with no SAE attached a profile runs unsteered
     owner.post("/api/profiles", json={"name": "wide", "sae": {"layer": LAYER, "d_sae": 99},
