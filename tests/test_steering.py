@@ -384,4 +384,168 @@ def test_llamacpp_refuses_steering_fields_before_loading(module_server: Callable
         r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
                        json={"model": MODEL, "messages": ASK, field: value})
         assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == field
+    for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Hi"})):
+        r = httpx.post(s.url + path, timeout=60,
+                       json={"model": MODEL, **body, "return_sae_activations": {"positions": "last"}})
+        assert r.status_code == 400 and r.json()["field"] == "return_sae_activations"
     assert s.owner().get("/v1/models").json()["data"][0]["loaded"] is False
+
+
+# --- return_sae_activations ----------------------------------------------------------------
+
+def sae_weights(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+    return {k: v.astype(np.float64) for k, v in load_file(str(folder / "sae_weights.safetensors")).items()}
+
+
+def relu_encode(w: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """SAELens' standard encoder, written out here: ReLU((x - b_dec) @ W_enc + b_enc)."""
+    return np.maximum((x - w["b_dec"]) @ w["W_enc"] + w["b_enc"], 0.0)
+
+
+def residual(reference: Any, ids: list[int], layer: int) -> np.ndarray:
+    """The unsteered residual at ``layer``'s output for ``ids`` (positions × hidden)."""
+    with torch.inference_mode():
+        states = reference[1](torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return states[layer + 1][0].double().numpy()  # hidden_states[0] is the embeddings
+
+
+def activations_of(reply: Any) -> dict[str, Any]:
+    return reply.to_dict()["millm"]["sae_activations"]
+
+
+def test_sae_activations_read_the_steered_residual(owner: httpx.Client, client: Any, sae: str, reference: Any,
+                                                   decoder: np.ndarray, files: dict[str, Path]) -> None:
+    owner.post("/api/steering/clear")
+    set_feature(owner, 0, STRENGTH)
+    ask = {"sae_id": "red", "features": list(range(D_SAE)), "top_k": D_SAE, "positions": "all"}
+
+    def read(point: str) -> tuple[Any, dict[str, Any]]:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=4, temperature=0,
+            extra_body={"cache_prompt": False, "return_sae_activations": {**ask, "read_point": point}})
+        return reply, activations_of(reply)
+
+    reply, pre = read("pre_steering")
+    again, post = read("post_steering")
+    assert again.choices[0].message.content == reply.choices[0].message.content  # greedy: the same tokens
+    assert (pre["sae_id"], pre["layer"], pre["read_point"], post["read_point"]) == ("red", LAYER, "pre_steering",
+                                                                                   "post_steering")
+    assert "counterfactual" in post["note"]
+    used = reply.usage
+    fed = used.prompt_tokens + used.completion_tokens - (1 if reply.choices[0].finish_reason == "length" else 0)
+    assert [p["position"] for p in pre["positions"]] == list(range(fed))  # the last sampled token has no row
+    assert [p["token_id"] for p in pre["positions"]] == [p["token_id"] for p in post["positions"]]
+    tokenizer = reference[0]
+    text = tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert [p["token_id"] for p in pre["positions"][:len(prompt_ids)]] == prompt_ids
+
+    def table(read: dict[str, Any]) -> np.ndarray:
+        out = np.zeros((len(read["positions"]), D_SAE))
+        for n, p in enumerate(read["positions"]):
+            assert len(p["features"]) == D_SAE
+            values = [f["value"] for f in p["features"]]
+            assert values == sorted(values, reverse=True)  # largest first
+            for f in p["features"]:
+                out[n, f["index"]] = f["value"]
+        return out
+
+    pre_acts, post_acts = table(pre), table(post)
+    w = sae_weights(files["saelens"])
+    delta = STRENGTH * decoder[0].astype(np.float64)
+    # Exact, from the two replies alone: post's residual is pre's plus this layer's delta, so
+    # wherever a feature is active at both read points its pre-activation moved by exactly
+    # delta @ W_enc (the ReLU is the identity on both sides; b_dec and b_enc cancel).
+    shift = delta @ w["W_enc"]
+    both = (pre_acts > 0) & (post_acts > 0)
+    assert both.sum() >= 10
+    assert np.abs((post_acts - pre_acts - shift)[both]).max() <= 1e-2
+    # And against an in-test encoding of a reference model's residual (the delta at layer L does
+    # not reach layer L's own residual at any prompt position): pre == encode(x), post ==
+    # encode(x + delta), zeros included.
+    x = residual(reference, prompt_ids, LAYER)
+    assert np.abs(pre_acts[:len(prompt_ids)] - relu_encode(w, x)).max() <= 2e-2
+    assert np.abs(post_acts[:len(prompt_ids)] - relu_encode(w, x + delta)).max() <= 2e-2
+    assert np.abs(post_acts - pre_acts).max() > 1.0  # the steering shows
+    owner.post("/api/steering/clear")
+
+
+def test_sae_activation_positions_top_k_and_streaming(owner: httpx.Client, client: Any, sae: str) -> None:
+    owner.post("/api/steering/clear")
+    plain = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0)
+    assert "millm" not in plain.to_dict()  # did not ask: no millm key at all
+    counts = plain.usage
+    prompt, fed = counts.prompt_tokens, counts.prompt_tokens + counts.completion_tokens - 1
+
+    def positions(where: Any, **extra: Any) -> list[dict[str, Any]]:
+        reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0,
+                                          extra_body={"return_sae_activations": {"positions": where, **extra}})
+        assert reply.choices[0].text == plain.choices[0].text
+        return activations_of(reply)["positions"]
+
+    assert [p["position"] for p in positions("last")] == [fed - 1]
+    assert [p["position"] for p in positions("prompt")] == list(range(prompt))
+    assert [p["position"] for p in positions("completion")] == list(range(prompt, fed))
+    assert [p["position"] for p in positions({"start": 1, "end": 3})] == [1, 2]
+    assert [p["position"] for p in positions({"start": fed - 1, "end": fed + 50})] == [fed - 1]  # what was read
+    some = positions("all", top_k=3, features=[2, 5, 7, 9])
+    assert len(some) == fed and all(len(p["features"]) == 3 for p in some)
+    assert all({f["index"] for f in p["features"]} <= {2, 5, 7, 9} for p in some)
+    assert all(len(p["features"]) == 8 for p in positions("all"))  # top_k defaults to 8 of the whole width
+
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0, stream=True,
+                                            extra_body={"return_sae_activations": {"positions": "last"}})
+    chunks = list(stream)
+    extra = [c for c in chunks if not c.choices]
+    assert len(extra) == 1 and chunks.index(extra[0]) == len(chunks) - 2  # just before the finishing chunk
+    found = extra[0].to_dict()["millm"]["sae_activations"]
+    assert found["sae_id"] == "red" and len(found["positions"]) == 1
+    plain_stream = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, stream=True))
+    assert all(c.choices and "millm" not in c.to_dict() for c in plain_stream)
+
+
+def test_sae_activation_refusals(owner: httpx.Client, client: Any, sae: str, files: dict[str, Path]) -> None:
+    def refused(extra: dict[str, Any], *, text: bool = False, **body: Any) -> dict[str, Any]:
+        with pytest.raises(openai.BadRequestError) as err:
+            if text:
+                client.completions.create(model=MODEL, **{"prompt": "Hi", "max_tokens": 2, **body}, extra_body=extra)
+            else:
+                client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra,
+                                               **{"max_tokens": 2, **body})
+        return err.value.body
+
+    def ask(**fields: Any) -> dict[str, Any]:
+        return {"return_sae_activations": fields}
+
+    assert "n must be 1" in refused(ask(), n=2)["message"]
+    assert "prompt" in refused(ask(), text=True, prompt=["one", "two"])["message"]
+    assert refused(ask(features=[D_SAE]))["code"] == "invalid_feature_index"
+    assert "top_k 65" in refused(ask(top_k=65))["message"]
+    worst = refused(ask(positions="completion", top_k=64), max_tokens=5000)["message"]  # top_k: the width, 16
+    assert "5000 positions × top_k 16 = 80000" in worst and "65536" in worst
+    assert "worst case" in refused(ask(positions="all", top_k=9), max_tokens=None)["message"]  # the window × 9
+    assert "positions" in refused(ask(positions="middle"))["message"]
+    assert "read_point" in refused(ask(read_point="during"))["message"]
+    assert "unknown keys" in refused(ask(layer=3))["message"]
+    assert refused(ask(sae_id="nobody"))["code"] == "no_sae_attached"
+
+    r = owner.post("/api/saes", json={"path": str(files["npz"].parent), "layer": 10, "id": "scope10"})
+    assert r.status_code == 201, r.text
+    assert owner.post("/api/saes/scope10/attach").status_code == 200
+    try:
+        message = refused(ask())["message"]
+        assert "red (layer 20)" in message and "scope10 (layer 10)" in message and "sae_id" in message
+        reply = client.chat.completions.create(  # a Gemma Scope JumpReLU SAE, named
+            model=MODEL, messages=ASK, max_tokens=2,
+            extra_body={"return_sae_activations": {"sae_id": "scope10", "top_k": 32, "positions": "prompt"}})
+        read = activations_of(reply)
+        assert read["layer"] == 10 and len(read["positions"][0]["features"]) == 32
+    finally:
+        owner.post("/api/saes/scope10/detach")
+        owner.delete("/api/saes/scope10")
+    owner.post("/api/saes/red/detach")
+    try:
+        assert refused(ask())["code"] == "no_sae_attached"
+    finally:
+        owner.post("/api/saes/red/attach")

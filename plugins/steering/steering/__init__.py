@@ -23,6 +23,20 @@ from . import store
 from .store import JsonFile, clamp, read_index, read_strength
 
 STEERING_FIELDS = ("profile", "steering_intensity")
+ACTIVATIONS_FIELD = "return_sae_activations"
+SAE_ACTIVATIONS_MAX_TOP_K = 64
+SAE_ACTIVATIONS_MAX_ENTRIES = 65_536
+DEFAULT_TOP_K = 8
+TEMPLATE_ALLOWANCE = 512  # tokens a chat template may add around the messages, for the worst case
+POSITION_WORDS = ("last", "prompt", "completion", "all")
+READ_POINTS = {"pre_steering": "pre", "post_steering": "post"}
+NOTES = {
+    "post_steering": "post_steering is what the model computed at this layer for this request, after this layer's "
+                     "steering delta; it is not an unsteered counterfactual: steering at earlier layers and tokens "
+                     "generated under steering shaped it too.",
+    "pre_steering": "pre_steering is the residual before this layer's own steering delta; it is not an unsteered "
+                    "counterfactual: steering at earlier layers and tokens generated under steering shaped it too.",
+}
 INTENSITY_HEADERS = ("X-miLLM-Steering-Intensity", "X-Localm-Steering-Intensity")
 
 
@@ -48,6 +62,7 @@ class Steering:
                                                           "features": [], "active_profile": None})
         self.profiles = JsonFile(folder / "profiles.json", {"version": 1, "profiles": {}})
         self._decoders: dict[str, np.ndarray] = {}
+        self._encoders: dict[str, dict[str, Any]] = {}
         self._shapes: dict[tuple[str, str, float], tuple[int | None, int | None]] = {}
 
     # --- settings ------------------------------------------------------------------------
@@ -84,6 +99,23 @@ class Steering:
                 raise sdk.LocalmError(409, f"SAE {sae['id']}'s W_dec changed on disk: {found.shape}",
                                       code="sae_unreadable")
             self._decoders[sae["id"]] = found
+        return found
+
+    def encoder(self, sae: dict[str, Any]) -> dict[str, Any]:
+        """W_enc, b_enc, b_dec and a JumpReLU threshold (see ``store.load_encoder``)."""
+        found = self._encoders.get(sae["id"])
+        if found is None:
+            try:
+                found = store.load_encoder(sae)
+            except sdk.LocalmError:
+                raise
+            except Exception as exc:
+                raise sdk.LocalmError(409, f"SAE {sae['id']}'s encoder cannot be read from {sae['path']}: {exc}",
+                                      code="sae_unreadable") from exc
+            if found["W_enc"].shape != (sae["d_in"], sae["d_sae"]):
+                raise sdk.LocalmError(409, f"SAE {sae['id']}'s W_enc changed on disk: {found['W_enc'].shape}",
+                                      code="sae_unreadable")
+            self._encoders[sae["id"]] = found
         return found
 
     def model_shape(self, model_id: str) -> tuple[int | None, int | None]:
@@ -224,6 +256,139 @@ class Steering:
         return min(self.floor(), top), top
 
     # --- one request ------------------------------------------------------------------------
+    def activations(self, request: dict[str, Any], model: Any, register: Any) -> None:
+        """``return_sae_activations``: check it all before anything loads, then read the residual
+        at the SAE's layer and answer the encoded features under ``millm``."""
+        if ACTIVATIONS_FIELD not in request:
+            return
+        register.use(ACTIVATIONS_FIELD)
+        ask = request[ACTIVATIONS_FIELD]
+        if ask is None:
+            return
+        if model.engine == "llamacpp":
+            raise sdk.LocalmError(400, f"{ACTIVATIONS_FIELD} cannot be honoured: the llama.cpp engine cannot read "
+                                       f"{model.id}'s activations", code="field_not_honoured", field=ACTIVATIONS_FIELD)
+        if not isinstance(ask, dict):
+            raise bad("must be an object")
+        unknown = sorted(set(ask) - {"sae_id", "features", "top_k", "positions", "read_point"})
+        if unknown:
+            raise bad(f"has unknown keys: {', '.join(unknown)}")
+        n = request.get("n")
+        if n is not None and n != 1:
+            raise bad("needs n 1 (there is one position axis per request)")
+        prompt = request.get("prompt")
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise bad("needs one prompt (there is one position axis per request)")
+        self.state.check()
+        self.saes.check()
+        attached = self.attached()
+        sae_id = ask.get("sae_id")
+        if sae_id is not None:
+            if not isinstance(sae_id, str):
+                raise bad("sae_id must be a string")
+            if sae_id not in attached.values():
+                names = ", ".join(f"{sid} (layer {layer})" for layer, sid in sorted(attached.items())) or "none"
+                raise sdk.LocalmError(400, f"{ACTIVATIONS_FIELD}: SAE {sae_id!r} is not attached (attached: {names})",
+                                      code="no_sae_attached", param=ACTIVATIONS_FIELD)
+        elif not attached:
+            raise sdk.LocalmError(400, f"{ACTIVATIONS_FIELD}: no SAE is attached", code="no_sae_attached",
+                                  param=ACTIVATIONS_FIELD)
+        elif len(attached) > 1:
+            names = ", ".join(f"{sid} (layer {layer})" for layer, sid in sorted(attached.items()))
+            raise bad(f"several SAEs are attached ({names}): name sae_id")
+        else:
+            sae_id = next(iter(attached.values()))
+        sae = self.sae(sae_id)
+        self.check_fits(sae, model.id)
+        features = ask.get("features")
+        if features is not None:
+            if not isinstance(features, list) or not features or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in features):
+                raise bad("features must be a non-empty list of non-negative integers")
+            past = [i for i in features if i >= sae["d_sae"]]
+            if past:
+                raise sdk.LocalmError(400, f"{ACTIVATIONS_FIELD}: feature {past[0]} is past SAE {sae['id']}'s width "
+                                           f"({sae['d_sae']})", code="invalid_feature_index", param=ACTIVATIONS_FIELD)
+            features = sorted(set(features))
+        top_k = ask.get("top_k")
+        if top_k is None:
+            top_k = min(len(features), SAE_ACTIVATIONS_MAX_TOP_K) if features else DEFAULT_TOP_K
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise bad("top_k must be a positive integer")
+        if top_k > SAE_ACTIVATIONS_MAX_TOP_K:
+            raise bad(f"top_k {top_k} is over {SAE_ACTIVATIONS_MAX_TOP_K} (SAE_ACTIVATIONS_MAX_TOP_K)")
+        top_k = min(top_k, len(features) if features else sae["d_sae"])
+        positions = ask.get("positions", "last")
+        if isinstance(positions, dict):
+            start, end = positions.get("start"), positions.get("end")
+            if set(positions) != {"start", "end"} or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, end)) or end <= start:
+                raise bad('positions {"start", "end"} needs integers with 0 <= start < end')
+        elif positions not in POSITION_WORDS:
+            raise bad('positions must be "last", "prompt", "completion", "all" or {"start": int, "end": int}')
+        read_point = ask.get("read_point", "post_steering")
+        if read_point not in READ_POINTS:
+            raise bad("read_point must be \"pre_steering\" or \"post_steering\"")
+        # the worst case, before anything is generated: the reply counts as max_tokens in full
+        # (the rest of the context window without it); the prompt is not tokenised yet, so it
+        # counts as its request's bytes (a token covers at least one) plus TEMPLATE_ALLOWANCE
+        # for a chat template's own text, and never more than the window holds
+        window = (model.capabilities or {}).get("context_window")
+        cap = request.get("max_tokens") or request.get("max_completion_tokens")
+        cap = cap if isinstance(cap, int) and not isinstance(cap, bool) else None
+        if window is not None:
+            cap = min(cap, window - 1) if cap is not None else window - 1
+        prompt_bound = prompt_bytes(request) + TEMPLATE_ALLOWANCE
+        if window is not None:
+            prompt_bound = min(prompt_bound, window - 1)
+        if positions == "last":
+            worst: int | None = 1
+        elif isinstance(positions, dict):
+            worst = positions["end"] - positions["start"]
+        elif positions == "completion":
+            worst = cap
+        elif positions == "prompt":
+            worst = prompt_bound
+        else:
+            worst = None if cap is None else prompt_bound + cap
+            if worst is not None and window is not None:
+                worst = min(worst, window - 1)
+        if worst is None or worst * top_k > SAE_ACTIVATIONS_MAX_ENTRIES:
+            shown = "unbounded" if worst is None else f"{worst} positions × top_k {top_k} = {worst * top_k}"
+            raise bad(f"the worst case ({shown}) is over {SAE_ACTIVATIONS_MAX_ENTRIES} entries "
+                      "(SAE_ACTIVATIONS_MAX_ENTRIES): lower top_k, set max_tokens or read a {start, end} range")
+        encoder = self.encoder(sae)
+        chosen = np.asarray(features, dtype=np.int64) if features else None
+
+        def done(rows: np.ndarray, prompt_ids: list[int], generated_ids: list[int]) -> dict[str, Any]:
+            ids = list(prompt_ids) + list(generated_ids)
+            count = int(rows.shape[0])
+            if positions == "last":
+                wanted = range(max(count - 1, 0), count)
+            elif positions == "prompt":
+                wanted = range(min(len(prompt_ids), count))
+            elif positions == "completion":
+                wanted = range(min(len(prompt_ids), count), count)
+            elif positions == "all":
+                wanted = range(count)
+            else:
+                wanted = range(min(positions["start"], count), min(positions["end"], count))
+            out = []
+            if len(wanted):
+                acts = store.encode(encoder, rows[wanted.start:wanted.stop])
+                if chosen is not None:
+                    acts = acts[:, chosen]
+                for n, position in enumerate(wanted):
+                    values = acts[n]
+                    order = np.lexsort((np.arange(values.shape[0]), -values))[:top_k]  # largest; ties by index
+                    out.append({"position": position, "token_id": int(ids[position]) if position < len(ids) else None,
+                                "features": [{"index": int(chosen[j] if chosen is not None else j),
+                                              "value": float(values[j])} for j in order]})
+            return {"millm": {"sae_activations": {"sae_id": sae["id"], "layer": sae["layer"], "read_point": read_point,
+                                                  "positions": out, "note": NOTES[read_point]}}}
+
+        register.read(sae["layer"], READ_POINTS[read_point], done)
+
     def interventions(self, request: dict[str, Any], model: Any, register: Any) -> None:
         present = [k for k in STEERING_FIELDS if request.get(k) is not None]
         for key in STEERING_FIELDS:
@@ -303,6 +468,17 @@ class Steering:
             register(layer, delta)
         if dial is not None:
             echo(register, lam)
+
+
+def prompt_bytes(request: dict[str, Any]) -> int:
+    """The UTF-8 bytes of what a prompt is made from (messages and tools, or the prompt)."""
+    import json
+    parts = [request.get(k) for k in ("messages", "tools", "prompt") if request.get(k) is not None]
+    return len(json.dumps(parts, ensure_ascii=False).encode("utf-8"))
+
+
+def bad(message: str) -> sdk.LocalmError:
+    return sdk.LocalmError(400, f"{ACTIVATIONS_FIELD}: {message}", code="invalid_parameter", param=ACTIVATIONS_FIELD)
 
 
 def echo(register: Any, lam: float) -> None:
@@ -386,6 +562,7 @@ def forward_interventions(request: Any, model: Any, register: Any) -> None:
     s = _STATE.get("steering")
     if s is None or not isinstance(request, dict):
         return
+    s.activations(request, model, register)
     s.interventions(request, model, register)
 
 

@@ -199,3 +199,52 @@ def load_decoder(sae: dict[str, Any]) -> np.ndarray:
     except (TypeError, ValueError):  # bfloat16 and other dtypes numpy cannot hold: through torch
         with safe_open(str(path / "sae_weights.safetensors"), framework="pt") as f:
             return f.get_tensor("W_dec").float().numpy()
+
+
+def load_encoder(sae: dict[str, Any]) -> dict[str, Any]:
+    """What encoding a residual needs: W_enc (d_in × d_sae), b_enc, b_dec, ``threshold`` (a
+    JumpReLU SAE's, else None) as float32, and ``centre`` (subtract b_dec before W_enc).
+
+    A SAELens SAE must be "standard" (ReLU((x - b_dec) @ W_enc + b_enc)) or "jumprelu";
+    a Gemma Scope params.npz is JumpReLU on x @ W_enc + b_enc (ReLU without a threshold).
+    Other architectures (top-k, gated) and normalised inputs are refused with 400."""
+    path = Path(sae["path"])
+    if sae["format"] == "gemma_scope":
+        with np.load(path) as z:
+            arrays = {k: np.ascontiguousarray(z[k], dtype=np.float32) for k in ("W_enc", "b_enc", "b_dec")}
+            threshold = np.ascontiguousarray(z["threshold"], dtype=np.float32) if "threshold" in z.files else None
+        return {**arrays, "threshold": threshold, "centre": False}
+    cfg = json.loads((path / "cfg.json").read_text())
+    arch = cfg.get("architecture") or "standard"
+    if arch not in ("standard", "jumprelu"):
+        raise sdk.LocalmError(400, f"SAE {sae['id']} has architecture {arch!r}: only standard (ReLU) and jumprelu "
+                                   "SAEs are encoded here", code="sae_unsupported")
+    if arch == "standard" and (cfg.get("activation_fn_str") or "relu") != "relu":
+        raise sdk.LocalmError(400, f"SAE {sae['id']} uses activation {cfg.get('activation_fn_str')!r}: only relu "
+                                   "is encoded here", code="sae_unsupported")
+    if (cfg.get("normalize_activations") or "none") != "none":
+        raise sdk.LocalmError(400, f"SAE {sae['id']} normalises its inputs ({cfg.get('normalize_activations')}): "
+                                   "it cannot be encoded here", code="sae_unsupported")
+    from safetensors import safe_open
+    names = ["W_enc", "b_enc", "b_dec"] + (["threshold"] if arch == "jumprelu" else [])
+    file = str(path / "sae_weights.safetensors")
+    try:
+        with safe_open(file, framework="numpy") as f:
+            arrays = {k: np.ascontiguousarray(f.get_tensor(k), dtype=np.float32) for k in names}
+    except (TypeError, ValueError):  # bfloat16 and other dtypes numpy cannot hold: through torch
+        with safe_open(file, framework="pt") as f:
+            arrays = {k: f.get_tensor(k).float().numpy() for k in names}
+    return {"W_enc": arrays["W_enc"], "b_enc": arrays["b_enc"], "b_dec": arrays["b_dec"],
+            "threshold": arrays.get("threshold"), "centre": bool(cfg.get("apply_b_dec_to_input", True))}
+
+
+def encode(encoder: dict[str, Any], rows: np.ndarray) -> np.ndarray:
+    """The SAE's feature activations (positions × d_sae, float32) of residual ``rows``."""
+    x = np.asarray(rows, dtype=np.float32)
+    if encoder["centre"]:
+        x = x - encoder["b_dec"]
+    pre = x @ encoder["W_enc"] + encoder["b_enc"]
+    acts = np.maximum(pre, 0.0)
+    if encoder["threshold"] is not None:
+        acts = acts * (pre > encoder["threshold"])
+    return acts.astype(np.float32, copy=False)
