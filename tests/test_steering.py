@@ -505,7 +505,8 @@ def test_sae_activation_positions_top_k_and_streaming(owner: httpx.Client, clien
     assert all(c.choices and "millm" not in c.to_dict() for c in plain_stream)
 
 
-def test_sae_activation_refusals(owner: httpx.Client, client: Any, sae: str, files: dict[str, Path]) -> None:
+def test_sae_activation_refusals(owner: httpx.Client, client: Any, sae: str, reference: Any,
+                                 tmp_path: Path) -> None:
     def refused(extra: dict[str, Any], *, text: bool = False, **body: Any) -> dict[str, Any]:
         with pytest.raises(openai.BadRequestError) as err:
             if text:
@@ -530,17 +531,33 @@ def test_sae_activation_refusals(owner: httpx.Client, client: Any, sae: str, fil
     assert "unknown keys" in refused(ask(layer=3))["message"]
     assert refused(ask(sae_id="nobody"))["code"] == "no_sae_attached"
 
-    r = owner.post("/api/saes", json={"path": str(files["npz"].parent), "layer": 10, "id": "scope10"})
+    scoring = {"model": MODEL, "messages": ASK, "max_tokens": 1, "logprobs": True, **ask()}
+    r = httpx.post(str(client.base_url) + "chat/completions", json=scoring, timeout=60)
+    assert r.status_code == 400 and r.json()["code"] == "field_not_honoured"  # scoring is never read
+
+    # a Gemma Scope JumpReLU SAE whose threshold gates: pre = x @ W_enc + b_enc, kept where above it
+    jump = write_gemma_scope_npz(tmp_path / "jump", d_in=HIDDEN, d_sae=32, seed=3, threshold=0.5)
+    r = owner.post("/api/saes", json={"path": str(jump), "layer": 10, "id": "scope10"})
     assert r.status_code == 201, r.text
     assert owner.post("/api/saes/scope10/attach").status_code == 200
     try:
         message = refused(ask())["message"]
         assert "red (layer 20)" in message and "scope10 (layer 10)" in message and "sae_id" in message
-        reply = client.chat.completions.create(  # a Gemma Scope JumpReLU SAE, named
-            model=MODEL, messages=ASK, max_tokens=2,
-            extra_body={"return_sae_activations": {"sae_id": "scope10", "top_k": 32, "positions": "prompt"}})
+        text = "The sky is"
+        reply = client.completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0, extra_body={
+            "return_sae_activations": {"sae_id": "scope10", "top_k": 32, "positions": "prompt"}})
         read = activations_of(reply)
-        assert read["layer"] == 10 and len(read["positions"][0]["features"]) == 32
+        assert read["layer"] == 10 and read["read_point"] == "post_steering"
+        ids = [p["token_id"] for p in read["positions"]]
+        got = np.zeros((len(ids), 32))
+        for n, p in enumerate(read["positions"]):
+            for f in p["features"]:
+                got[n, f["index"]] = f["value"]
+        with np.load(jump) as z:
+            w = {k: z[k].astype(np.float64) for k in z.files}
+        pre = residual(reference, ids, 10) @ w["W_enc"] + w["b_enc"]
+        assert ((pre > 0) & (pre <= 0.5)).any()  # the threshold matters here
+        assert np.abs(got - pre * (pre > w["threshold"])).max() <= 2e-2
     finally:
         owner.post("/api/saes/scope10/detach")
         owner.delete("/api/saes/scope10")
