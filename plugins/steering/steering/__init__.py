@@ -1,7 +1,9 @@
 """SAE steering (issue 6): SAEs registered from SAELens folders or Gemma Scope params.npz,
 attached one per layer; per-feature strengths (clamped to ±200) whose sum
 Σ strength·W_dec[i] is added at the SAE's layer; saved profiles (clusters when they declare
-an intensity range); per-request ``profile`` and ``steering_intensity`` on chat completions.
+an intensity range); per-request ``profile`` and ``steering_intensity`` on chat completions;
+``return_sae_activations`` on chat and text completions (the residual at an attached SAE's
+layer, read before or after its steering and encoded with the SAE, answered under ``millm``).
 
 Steering is computed for each request from the stored state through the
 ``forward_interventions`` hook: nothing on the model changes, so a per-request profile leaves
