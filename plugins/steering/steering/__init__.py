@@ -29,6 +29,7 @@ ACTIVATIONS_FIELD = "return_sae_activations"
 SAE_ACTIVATIONS_MAX_TOP_K = 64
 SAE_ACTIVATIONS_MAX_ENTRIES = 65_536
 DEFAULT_TOP_K = 8
+ENCODE_ROWS = 256  # positions encoded at once
 TEMPLATE_ALLOWANCE = 512  # tokens a chat template may add around the messages, for the worst case
 POSITION_WORDS = ("last", "prompt", "completion", "all")
 READ_POINTS = {"pre_steering": "pre", "post_steering": "post"}
@@ -376,13 +377,12 @@ class Steering:
             else:
                 wanted = range(min(positions["start"], count), min(positions["end"], count))
             out = []
-            if len(wanted):
-                acts = store.encode(encoder, rows[wanted.start:wanted.stop])
-                if chosen is not None:
-                    acts = acts[:, chosen]
-                for n, position in enumerate(wanted):
-                    values = acts[n]
+            for first in range(wanted.start, wanted.stop, ENCODE_ROWS):  # a few rows at a time: d_sae can be wide
+                last = min(first + ENCODE_ROWS, wanted.stop)
+                acts = store.encode(encoder, rows[first:last], chosen)
+                for n, values in enumerate(acts):
                     order = np.lexsort((np.arange(values.shape[0]), -values))[:top_k]  # largest; ties by index
+                    position = first + n
                     out.append({"position": position, "token_id": int(ids[position]) if position < len(ids) else None,
                                 "features": [{"index": int(chosen[j] if chosen is not None else j),
                                               "value": float(values[j])} for j in order]})

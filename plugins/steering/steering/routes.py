@@ -89,6 +89,7 @@ async def delete_sae(sae_id: str) -> dict[str, Any]:
         s.state.data["features"] = [f for f in s.state.data["features"] if f["sae_id"] != sae_id]
         s.state.save()
     s._decoders.pop(sae_id, None)
+    s._encoders.pop(sae_id, None)
     return {"deleted": sae_id}
 
 

@@ -238,13 +238,18 @@ def load_encoder(sae: dict[str, Any]) -> dict[str, Any]:
             "threshold": arrays.get("threshold"), "centre": bool(cfg.get("apply_b_dec_to_input", True))}
 
 
-def encode(encoder: dict[str, Any], rows: np.ndarray) -> np.ndarray:
-    """The SAE's feature activations (positions × d_sae, float32) of residual ``rows``."""
+def encode(encoder: dict[str, Any], rows: np.ndarray, features: np.ndarray | None = None) -> np.ndarray:
+    """The SAE's feature activations (positions × d_sae, float32) of residual ``rows``; only
+    the columns of ``features`` when given."""
+    w_enc, b_enc, threshold = encoder["W_enc"], encoder["b_enc"], encoder["threshold"]
+    if features is not None:
+        w_enc, b_enc = w_enc[:, features], b_enc[features]
+        threshold = None if threshold is None else threshold[features]
     x = np.asarray(rows, dtype=np.float32)
     if encoder["centre"]:
         x = x - encoder["b_dec"]
-    pre = x @ encoder["W_enc"] + encoder["b_enc"]
+    pre = x @ w_enc + b_enc
     acts = np.maximum(pre, 0.0)
-    if encoder["threshold"] is not None:
-        acts = acts * (pre > encoder["threshold"])
+    if threshold is not None:
+        acts = acts * (pre > threshold)
     return acts.astype(np.float32, copy=False)
