@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -35,12 +36,14 @@ class Resident:
 
 
 class ModelManager:
-    def __init__(self, kernel: "Kernel") -> None:
+    def __init__(self, kernel: Kernel) -> None:
         self._kernel = kernel
         self.registry = Registry(kernel.data_dir)
         self.resident: dict[str, Resident] = {}
         self.active: str | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        #: A model locked (by the steering plugin) is the only one GET /v1/models lists.
+        self.locked: str | None = None
 
     # --- names ----------------------------------------------------------------------
     def default_name(self) -> str:
@@ -153,6 +156,12 @@ class ModelManager:
         metrics = self._kernel.metrics
         if metrics is not None:
             metrics.models_loaded = len(self.resident)
+
+    def lock(self, name: str | None) -> str | None:
+        """Lock ``name`` (None unlocks): while locked, GET /v1/models lists only that model, so
+        OpenAI clients see one stable model id. Returns the locked id."""
+        self.locked = None if name is None else self.registry.get(name).id
+        return self.locked
 
     # --- the registry, for surfaces that manage models (the Ollama API) ----------------
     def entries(self) -> list[ModelEntry]:

@@ -377,6 +377,34 @@ def test_profiles_persist_across_a_restart(tmp_path: Path, files: dict[str, Path
     assert broken.read_text() == "{not json"  # never overwritten
 
 
+def test_a_locked_model_is_the_only_one_listed(tmp_path: Path) -> None:
+    from sae_fixtures import smollm2_gguf
+
+    data = tmp_path / "data"
+    first = LocalmServer(data, plugins=["chat", "steering"], env=OFFLINE)
+    pulled = first.cli("pull", str(smollm2_gguf()), "--name", "other-model")
+    assert pulled.returncode == 0, pulled.stderr + pulled.stdout
+    first.start()
+    try:
+        owner = first.owner()
+        listed = {m["id"] for m in owner.get("/v1/models").json()["data"]}
+        assert {MODEL, "other-model"} <= listed
+        assert owner.post("/api/steering/lock", json={"model": "nope"}).status_code == 404
+        r = owner.post("/api/steering/lock", json={"model": "other-model"})
+        assert r.status_code == 200 and r.json()["locked_model"] == "other-model"
+        assert [m["id"] for m in owner.get("/v1/models").json()["data"]] == ["other-model"]
+    finally:
+        first.stop()
+    second = LocalmServer(data, plugins=["chat", "steering"], env=OFFLINE).start()
+    try:
+        owner = second.owner()
+        assert [m["id"] for m in owner.get("/v1/models").json()["data"]] == ["other-model"]  # kept
+        assert owner.delete("/api/steering/lock").json()["locked_model"] is None
+        assert {m["id"] for m in owner.get("/v1/models").json()["data"]} == listed
+    finally:
+        second.stop()
+
+
 def test_llamacpp_refuses_steering_fields_before_loading(module_server: Callable[..., Any]) -> None:
     pytest.importorskip("llama_cpp")
     s = module_server(plugins=["chat", "llamacpp", "steering"])

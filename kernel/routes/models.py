@@ -20,7 +20,10 @@ def _summary(k: Any, entry: Any) -> dict[str, Any]:
      summary="Every registered model")
 async def list_models(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
-    return {"object": "list", "data": [_summary(k, e) for e in k.models.registry.entries()]}
+    entries = k.models.registry.entries()
+    if k.models.locked is not None:  # a locked model is the only one listed
+        entries = [e for e in entries if e.id == k.models.locked]
+    return {"object": "list", "data": [_summary(k, e) for e in entries]}
 
 
 @get("/v1/models/{model_id:path}", scope="models:read", access="open_read", error_family="openai",

@@ -62,7 +62,8 @@ class Steering:
         folder = Path(plugin.data_dir)
         self.saes = JsonFile(folder / "saes.json", {"version": 1, "saes": {}})
         self.state = JsonFile(folder / "steering.json", {"version": 1, "enabled": True, "attached": {},
-                                                          "features": [], "active_profile": None})
+                                                          "features": [], "active_profile": None,
+                                                          "locked_model": None})
         self.profiles = JsonFile(folder / "profiles.json", {"version": 1, "profiles": {}})
         self._decoders: dict[str, np.ndarray] = {}
         self._encoders: dict[str, dict[str, Any]] = {}
@@ -169,6 +170,15 @@ class Steering:
                                   code="invalid_parameter")
         return self.sae(next(iter(attached.values())))
 
+    def apply_lock(self) -> None:
+        """Re-apply the stored model lock (a model since removed from the registry unlocks)."""
+        try:
+            self.state.check()
+            name = self.state.data.get("locked_model")
+            self.host.models.lock(name)
+        except sdk.LocalmError:
+            self.host.models.lock(None)
+
     def state_view(self) -> dict[str, Any]:
         self.state.check()
         data = self.state.data
@@ -178,6 +188,7 @@ class Steering:
         features = [{**f, "layer": self.saes.data["saes"].get(f["sae_id"], {}).get("layer")} for f in data["features"]]
         active = data["active_profile"]
         return {"enabled": data["enabled"], "active_profile": active, "attached": attached, "features": features,
+                "locked_model": data.get("locked_model"),
                 "base": "profile" if active else "features",
                 "live": bool(data["enabled"] and attached and not active and any(
                     f["sae_id"] in self.attached().values() for f in data["features"]))}
@@ -540,13 +551,16 @@ def current() -> Steering:
 def startup(host: Any, plugin: Any) -> None:
     state = Steering(host, plugin)
     _STATE["steering"] = state
+    state.apply_lock()
     # for plugins that read SAEs (activations, circuits): .sae(id), .attached(), .decoder(sae)
     host.provide("steering", state, plugin=plugin.name)
 
 
 @sdk.hookimpl
-def shutdown() -> None:
+def shutdown(host: Any) -> None:
     _STATE.pop("steering", None)
+    if host is not None:
+        host.models.lock(None)  # the lock is the steering plugin's: it goes with it
 
 
 @sdk.hookimpl

@@ -157,6 +157,32 @@ async def disable_steering() -> dict[str, Any]:
     return _set_enabled(False)
 
 
+@sdk.post("/api/steering/lock", summary="Lock a model: GET /v1/models then lists only it")
+async def lock_model(request: sdk.Request) -> dict[str, Any]:
+    body = await _body(request)
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise sdk.LocalmError(400, "model must name a registered model", code="invalid_parameter")
+    s = steering()
+    s.state.check()
+    models = sdk.host_of(request).models
+    locked = models.resolve(name).id  # 404 for an unknown model, before anything is stored
+    s.state.data["locked_model"] = locked
+    s.state.save()
+    models.lock(locked)
+    return s.state_view()
+
+
+@sdk.delete("/api/steering/lock", summary="Unlock: GET /v1/models lists every model again")
+async def unlock_model(request: sdk.Request) -> dict[str, Any]:
+    s = steering()
+    s.state.check()
+    s.state.data["locked_model"] = None
+    s.state.save()
+    sdk.host_of(request).models.lock(None)
+    return s.state_view()
+
+
 @sdk.post("/api/steering/features", summary="Set one feature's strength")
 async def set_feature(request: sdk.Request) -> dict[str, Any]:
     s = steering()
@@ -449,6 +475,6 @@ async def activate_profile(name: str) -> dict[str, Any]:
 
 
 HANDLERS = [list_saes, register_sae, get_sae, delete_sae, attach_sae, detach_sae,
-            get_steering, enable_steering, disable_steering, set_feature, set_features, delete_feature,
+            get_steering, enable_steering, disable_steering, lock_model, unlock_model, set_feature, set_features, delete_feature,
             clear_features, list_profiles, create_profile, import_profile, deactivate_profile, get_profile,
             export_profile, update_profile, delete_profile, activate_profile]

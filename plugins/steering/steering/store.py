@@ -5,18 +5,16 @@ cannot be read is reported with 409 and never overwritten."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from localm import sdk
+from localm.sdk import storage
 
 MAX_STRENGTH = 200.0
 RESID_POST = re.compile(r"^blocks\.(\d+)\.hook_resid_post$")
@@ -25,19 +23,7 @@ RESID_PRE = re.compile(r"^blocks\.(\d+)\.hook_resid_pre$")
 
 def write_json(path: Path, value: Any) -> None:
     """Replace ``path`` with ``value`` as JSON; on any failure the old file stays."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(value, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    storage.atomic_write_json(path, value)
 
 
 class JsonFile:
