@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import json
+
 import httpx
 import numpy as np
 import pytest
@@ -235,6 +237,55 @@ def test_members_clamp_at_200_and_an_open_range(owner: httpx.Client, client: Any
             first_token(client, circuit="nobody")
     finally:
         owner.post("/api/circuits/deactivate")
+
+
+def test_slice_fallback_serves_by_its_cluster(owner: httpx.Client, client: Any, saes: list[str], reference: Any,
+                                              decoders: dict[int, np.ndarray]) -> None:
+    r = owner.post("/api/profiles/import", json={"name": "slice", "sae": {"id": "l20", "layer": 20, "d_sae": D_SAE},
+                                                 "features": [{"index": 0, "strength": 6.0}], "cluster": True})
+    assert r.status_code == 201, r.text
+    doc = {"name": "fallback", "rung": 3, "mode": "slice_fallback", "fallback_profile": "slice",
+           "members": [{"layer": 20, "feature": 0, "strength": 6.0}]}
+    assert owner.post("/api/circuits", json=doc).status_code == 201
+    view = owner.post("/api/circuits/fallback/activate").json()
+    assert view["steering"]["steering"] is False and view["steering"]["mode"] == "slice_fallback"
+    try:
+        # the cluster rule: "min" is cluster_intensity_min (0.5), not the circuit floor; no rung header
+        steered, headers = first_token(client, steering_intensity="min")
+        assert matches(steered, reference_logprobs(reference, {20: 0.5 * 6.0 * decoders[20][0]}))
+        assert RUNG not in headers
+    finally:
+        owner.post("/api/circuits/deactivate")
+    assert owner.post("/api/circuits", json={**doc, "name": "orphan", "fallback_profile": "nobody"}).status_code == 201
+    assert owner.post("/api/circuits/orphan/activate").json()["code"] == "profile_not_found"
+
+
+def test_an_unparseable_definition_does_not_steer(server: Any, owner: httpx.Client, client: Any, saes: list[str],
+                                                  reference: Any) -> None:
+    owner.post("/api/circuits/redwards/activate")
+    path = server.data_dir / "plugin-data" / "circuits" / "circuits.json"
+    kept = path.read_text()
+    data = json.loads(kept)
+    data["circuits"]["redwards"]["rung"] = "high"
+    path.write_text(json.dumps(data))
+    try:
+        steered, headers = first_token(client)
+        assert matches(steered, reference_logprobs(reference, {})) and RUNG not in headers
+        view = owner.get("/api/circuits/active").json()
+        assert view["steering"]["steering"] is False and "rung" in view["error"]
+        with pytest.raises(openai.ConflictError):
+            first_token(client, circuit="redwards")
+    finally:
+        path.write_text(kept)
+        owner.post("/api/circuits/deactivate")
+
+
+def test_llamacpp_refuses_the_circuit_field_before_loading(module_server: Callable[..., Any]) -> None:
+    pytest.importorskip("llama_cpp")
+    s = module_server(plugins=["chat", "llamacpp", "steering", "circuits"])
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={"model": MODEL, "messages": ASK, "circuit": "x"})
+    assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == "circuit"
+    assert s.owner().get("/v1/models").json()["data"][0]["loaded"] is False
 
 
 def test_circuits_persist_across_a_restart(tmp_path: Path) -> None:

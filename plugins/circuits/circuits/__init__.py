@@ -254,6 +254,11 @@ class Circuits:
         doc = data["circuits"].get(name) if name else None
         if doc is None:
             return {"active": None, "steering": {"steering": False, "rung": None, "language": None}}
+        try:
+            doc = {**check_document(doc), **{k: doc[k] for k in ("created",) if k in doc}}
+        except sdk.LocalmError as exc:
+            return {"active": name, "circuit": doc, "error": str(exc),
+                    "steering": {"steering": False, "rung": None, "language": None}}
         lo, hi = self.bounds(doc)
         lam = self.resolve(doc, None)
         steering = False
@@ -291,6 +296,11 @@ class Circuits:
             if not isinstance(named, str):
                 raise sdk.LocalmError(400, "circuit must be a string (a circuit's name)", code="invalid_parameter")
             doc = self.circuit(named)
+            try:
+                doc = check_document(doc)
+            except sdk.LocalmError as exc:
+                raise sdk.LocalmError(409, f"Circuit {named!r} is stored in a form that cannot be read: {exc}",
+                                      code="circuit_unreadable") from exc
         else:
             try:
                 data = self.data()
@@ -299,6 +309,10 @@ class Circuits:
             name = data.get("active")
             doc = data["circuits"].get(name) if name else None
             if doc is None:
+                return
+            try:
+                doc = check_document(doc)  # a hand-edited, unparseable definition does not steer
+            except sdk.LocalmError:
                 return
         if "messages" not in request:
             return  # text completions and scoring are not steered by an active circuit
