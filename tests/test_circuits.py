@@ -6,11 +6,10 @@ circuit is actually steering; circuits persist across a restart."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import json
 
 import httpx
 import numpy as np
