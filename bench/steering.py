@@ -1,23 +1,22 @@
-"""What steering costs: tokens/s unsteered, with one SAE feature steered (a delta at one
-layer), and with a 3-layer circuit (deltas at three layers), on the same model and server.
+"""What steering costs: tokens/s unsteered, with one SAE feature steered, and with a 3-layer
+circuit, on the same model and server.
 
 Run it from the repository root with the project's interpreter::
 
     .venv/bin/python bench/steering.py                      # SmolLM2-135M via transformers, 5 rounds
     .venv/bin/python bench/steering.py --rounds 9 --threads 2
 
-It starts ``localm serve --plugins chat,transformers,steerprobe`` (the transformers plugin's
-n_threads set before the model loads). ``steerprobe`` is the test plugin of
-``tests/plugins/`` that turns a request's ``probe_delta`` into forward interventions through
-the ``forward_interventions`` hook, the same seam the steering and circuits plugins use; the
-deltas are what they compute, a decoder row times a strength (here rows of a random SAE
-decoder of the model's width, one feature per layer, strength 8). Then it sends non-streamed
-chat completions, greedy, ``--max-tokens`` tokens each, one at a time, the three variants
-interleaved in a rotating order:
+It starts ``localm serve --plugins chat,transformers,steering,circuits`` (the transformers
+plugin's n_threads set before the model loads), writes three SAELens SAEs of SmolLM2's
+width (576; 64 features, random unit decoder rows) for layers 5, 15 and 25, registers and
+attaches them through ``/api/saes``, saves a profile steering one feature of the layer-15
+SAE (strength 8) and imports a circuit with one member on each of the three layers
+(strength 8 each). Then it sends non-streamed chat completions, greedy, ``--max-tokens``
+tokens each, one at a time, the three variants interleaved in a rotating order:
 
-- ``unsteered``: no intervention;
-- ``one feature``: one delta at layer 15 (of SmolLM2's 30);
-- ``3-layer circuit``: deltas at layers 5, 15 and 25.
+- ``unsteered``: no steering field (no live features, no active profile or circuit);
+- ``one feature``: ``profile`` naming the one-feature profile;
+- ``3-layer circuit``: ``circuit`` naming the circuit.
 
 tokens/s is completion tokens over the request's wall time minus its ``usage.ttft_ms``; the
 ratio is against ``unsteered`` in the same run (the target: steering costs under 10%).
@@ -26,8 +25,8 @@ ratio is against ``unsteered`` in the same run (the target: steering costs under
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -36,36 +35,52 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from localm.sdk.testing import LocalmServer
+from safetensors.numpy import save_file
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
-HIDDEN = 576  # SmolLM2-135M's residual width
+HIDDEN, WIDTH, LAYERS = 576, 64, (5, 15, 25)  # SmolLM2-135M's residual width; SAE features; layers
 PROMPT = [{"role": "user", "content": "Write a long story about the sea."}]
-
-
-def decoder_row(seed: int, strength: float = 8.0) -> list[float]:
-    rng = random.Random(seed)
-    row = [rng.gauss(0.0, 1.0) for _ in range(HIDDEN)]
-    norm = sum(x * x for x in row) ** 0.5
-    return [strength * x / norm for x in row]
-
-
-VARIANTS: dict[str, list[dict[str, Any]] | None] = {
-    "unsteered": None,
-    "one feature": [{"layer": 15, "delta": decoder_row(1)}],
-    "3-layer circuit": [{"layer": layer, "delta": decoder_row(layer)} for layer in (5, 15, 25)],
+VARIANTS: dict[str, dict[str, Any]] = {
+    "unsteered": {},
+    "one feature": {"profile": "one-feature"},
+    "3-layer circuit": {"circuit": "three-layers"},
 }
 
 
+def write_sae(folder: Path, layer: int) -> Path:
+    rng = np.random.default_rng(layer)
+    w_dec = rng.standard_normal((WIDTH, HIDDEN)).astype(np.float32)
+    w_dec /= np.linalg.norm(w_dec, axis=1, keepdims=True)
+    folder.mkdir(parents=True)
+    (folder / "cfg.json").write_text(json.dumps({"d_in": HIDDEN, "d_sae": WIDTH, "dtype": "float32",
+                                                 "hook_name": f"blocks.{layer}.hook_resid_post",
+                                                 "hook_layer": layer}))
+    save_file({"W_enc": np.ascontiguousarray(w_dec.T), "b_enc": np.zeros(WIDTH, np.float32), "W_dec": w_dec,
+               "b_dec": np.zeros(HIDDEN, np.float32)}, str(folder / "sae_weights.safetensors"))
+    return folder
+
+
+def set_up(owner: httpx.Client, workdir: Path) -> None:
+    for layer in LAYERS:
+        path = write_sae(workdir / f"sae-{layer}", layer)
+        owner.post("/api/saes", json={"path": str(path), "id": f"sae-{layer}"}).raise_for_status()
+        owner.post(f"/api/saes/sae-{layer}/attach").raise_for_status()
+    owner.post("/api/profiles", json={"name": "one-feature", "sae": {"id": "sae-15"},
+                                      "features": [{"index": 3, "strength": 8.0}]}).raise_for_status()
+    owner.post("/api/circuits", json={"name": "three-layers", "rung": 1, "members": [
+        {"layer": layer, "feature": 3, "strength": 8.0} for layer in LAYERS]}).raise_for_status()
+
+
 def measure(client: httpx.Client, variant: str, max_tokens: int) -> dict[str, float]:
-    body: dict[str, Any] = {"model": MODEL, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0}
-    if VARIANTS[variant] is not None:
-        body["probe_delta"] = VARIANTS[variant]
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, **VARIANTS[variant]}
     started = time.perf_counter()
     r = client.post("/v1/chat/completions", json=body)
     wall = time.perf_counter() - started
     r.raise_for_status()
+    if variant == "3-layer circuit" and "x-millm-circuit-rung" not in r.headers:
+        sys.exit("the circuit did not steer (no X-miLLM-Circuit-Rung)")
     usage = r.json()["usage"]
     generating = wall - usage["ttft_ms"] / 1000
     return {"tokens": usage["completion_tokens"], "tok_s": (usage["completion_tokens"] - 1) / generating}
@@ -80,17 +95,14 @@ def main() -> None:
     args = parser.parse_args()
     print(f"SmolLM2-135M-Instruct via transformers, {args.threads} threads, {args.max_tokens} tokens, "
           f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}")
-    env = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9",
-           "LOCALM_PLUGIN_STORE": str(ROOT / "tests" / "plugins")}
+    env = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
     with tempfile.TemporaryDirectory(prefix="localm-bench-steering-") as tmp:
-        server = LocalmServer(Path(tmp) / "data", plugins=["chat", "transformers", "steerprobe"], env=env)
-        installed = server.cli("plugin", "install", "steerprobe")
-        if installed.returncode:
-            sys.exit(installed.stderr + installed.stdout)
+        server = LocalmServer(Path(tmp) / "data", plugins=["chat", "transformers", "steering", "circuits"], env=env)
         server.start()
         try:
-            server.owner().post("/v1/plugins/transformers/settings",
-                                json={"n_threads": args.threads}).raise_for_status()
+            owner = server.owner()
+            owner.post("/v1/plugins/transformers/settings", json={"n_threads": args.threads}).raise_for_status()
+            set_up(owner, Path(tmp))
             rows: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
             with httpx.Client(base_url=server.url, timeout=600) as client:
                 for variant in VARIANTS:  # warm-up: load the model
