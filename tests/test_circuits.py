@@ -182,6 +182,7 @@ def test_a_circuit_steers_as_a_reference_hook(owner: httpx.Client, client: Any, 
         steered, headers = first_token(client, steering_intensity=dial)
         assert matches(steered, reference_logprobs(reference, circuit_deltas(decoders, lam))), dial
         assert rung_of(headers)[0] == 2
+        assert headers["x-millm-steering-intensity"] == repr(float(lam))  # the resolved λ, echoed
     for dial in (0, "off"):
         steered, headers = first_token(client, steering_intensity=dial)
         assert matches(steered, unsteered) and RUNG not in headers

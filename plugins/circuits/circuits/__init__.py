@@ -329,6 +329,15 @@ class Circuits:
         for layer, delta in deltas:
             register(layer, delta)
         register.header(RUNG_HEADER, rung_value(doc["rung"]))
+        if dial is not None and not any(name in register.headers for name in INTENSITY_HEADERS):
+            # the dial changed this circuit's steering: echo the λ it resolved to (unless the
+            # steering plugin, whose base the request also dialled, already did)
+            for name in INTENSITY_HEADERS:
+                register.header(name, repr(round(float(lam), 6)))
+
+
+#: The dial's echo, as the steering plugin writes it.
+INTENSITY_HEADERS = ("X-miLLM-Steering-Intensity", "X-Localm-Steering-Intensity")
 
 
 # --- the plugin ---------------------------------------------------------------------------
