@@ -149,7 +149,8 @@ def forward_interventions(request: Any, model: Any, register: Any) -> None:
     - ``register.header(name, value)``: a response header;
     - ``register.read(layer, point, done)``: read the residual at ``layer``'s output, before
       (``"pre"``) or after (``"post"``) this request's interventions there; when the
-      generation ends, ``done(rows, prompt_ids, generated_ids)`` gets the rows (a float32
+      generation ends, ``done(rows, prompt_ids, generated_ids)`` (called in a worker thread,
+      so its work does not hold other requests) gets the rows (a float32
       array, positions × hidden: the prompt, then each generated token fed back) and returns
       a dict of fields added to the response (a streamed reply sends them in one last chunk
       with empty ``choices``).

@@ -21,6 +21,7 @@ hooks on a finished reply.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -92,8 +93,9 @@ class Generation:
         activations = self.outcome.activations or {}
         for read, done in self.reads:
             rows = activations.get((read.layer, read.point))
-            if rows is not None:
-                self.extra.update(done(rows, list(self.prompt), list(self.outcome.token_ids)) or {})
+            if rows is not None:  # a reader's work (an SAE encoding) runs off the event loop
+                self.extra.update(await asyncio.to_thread(done, rows, list(self.prompt),
+                                                          list(self.outcome.token_ids)) or {})
 
     async def reply(self) -> Reply:
         """The whole reply (for a non-streaming request)."""
