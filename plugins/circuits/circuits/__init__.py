@@ -48,20 +48,10 @@ def clamp(value: float) -> float:
 
 
 def read_dial(value: Any) -> float | str | None:
-    """steering_intensity: None, a number in 0–2 (0 is off), "off", "min" or "max"."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word == "off":
-            return 0.0
-        if word in ("min", "max"):
-            return word
-    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-            and 0.0 <= value <= 2.0:
-        return float(value)
-    raise sdk.LocalmError(400, f"steering_intensity must be a number from 0 to 2, \"off\", \"min\" or \"max\"; "
-                               f"got {value!r}", code="invalid_parameter", param="steering_intensity")
+    """steering_intensity (or the persistent dial): None, a number in 0–2 (0 is off), "off",
+    "min" or "max", read by the steering plugin's own rules."""
+    found = current()
+    return found.steering().read_dial(value)
 
 
 def _number(value: Any, what: str) -> float:

@@ -179,6 +179,11 @@ class Steering:
         except sdk.LocalmError:
             self.host.models.lock(None)
 
+    @staticmethod
+    def read_dial(value: Any) -> float | str | None:
+        """steering_intensity read as this plugin reads it (for the circuits plugin's dial)."""
+        return read_dial(value)
+
     def state_view(self) -> dict[str, Any]:
         self.state.check()
         data = self.state.data
