@@ -1,10 +1,13 @@
-"""Chat generation benchmark: localm against ``python -m llama_cpp.server`` on the same GGUF.
+"""Chat generation benchmark: localm against ``python -m llama_cpp.server`` on the same GGUF
+(or, with ``--stream-hooks N``, localm with N plugins holding a no-op chat_stream hook against
+localm without: what the chat seam costs per token).
 
 Run it from the repository root with the project's interpreter::
 
     .venv/bin/python bench/chat.py                      # SmolLM2-135M-Instruct Q4_1, 2 threads, 5 rounds
     .venv/bin/python bench/chat.py --rounds 9 --threads 2 --max-tokens 128
     .venv/bin/python bench/chat.py --model /path/to/model.gguf --modes same
+    .venv/bin/python bench/chat.py --stream-hooks 1     # one no-op chat_stream hook against none
 
 It starts ``localm serve --plugins chat,llamacpp`` (the llamacpp plugin set to the same
 n_threads, n_ctx and n_batch before start) and ``python -m llama_cpp.server`` with the
@@ -240,13 +243,39 @@ class Peer:
         self._log.close()
 
 
+NOOP_HOOK = '''"""A chat_stream hook that keeps every event as it is: what the seam costs per token."""
+
+from localm import sdk
+
+
+@sdk.hookimpl
+def chat_stream(event, context):
+    return None
+'''
+
+
+def write_hook_plugins(workdir: Path, count: int) -> list[Path]:
+    """``count`` plugins, each with one no-op chat_stream hook."""
+    folders = []
+    for i in range(count):
+        folder = workdir / f"noop_stream_{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "plugin.toml").write_text(f'id = "noop_stream_{i}"\nversion = "1.0.0"\nentry = "hook"\n'
+                                            'requires = ["chat"]\n')
+        (folder / "hook.py").write_text(NOOP_HOOK)
+        folders.append(folder)
+    return folders
+
+
 class Localm:
-    """``localm serve --plugins chat,llamacpp`` on a fresh data dir, the model loaded."""
+    """``localm serve --plugins chat,llamacpp`` on a fresh data dir, the model loaded; with
+    ``hooks``, that many plugins with a no-op chat_stream hook installed too."""
 
-    name = "localm"
-
-    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        self.server = LocalmServer(workdir / "localm-data", plugins=["chat", "llamacpp"])
+    def __init__(self, args: argparse.Namespace, workdir: Path, *, hooks: int = 0) -> None:
+        self.name = f"localm+{hooks} stream hook{'s' if hooks > 1 else ''}" if hooks else "localm"
+        self.hook_plugins = write_hook_plugins(workdir / f"hooks-{hooks}", hooks)
+        plugins = ["chat", "llamacpp", *(folder.name for folder in self.hook_plugins)]
+        self.server = LocalmServer(workdir / f"localm-data-{hooks}", plugins=plugins)
         self.settings = {"n_threads": args.threads, "n_ctx": args.n_ctx, "n_batch": args.n_batch}
         self.model_path = args.model
         self.model: str | None = None  # the default model unless --model
@@ -261,6 +290,10 @@ class Localm:
         done = self.server.cli("config", "set", "plugins", json.dumps({"llamacpp": self.settings}), timeout=60)
         if done.returncode != 0:
             raise RuntimeError(f"localm config set failed:\n{done.stdout}{done.stderr}")
+        for folder in self.hook_plugins:
+            done = self.server.cli("plugin", "install", str(folder), timeout=60)
+            if done.returncode != 0:
+                raise RuntimeError(f"localm plugin install {folder} failed:\n{done.stdout}{done.stderr}")
         if self.model_path is not None:
             done = self.server.cli("pull", str(self.model_path), "--name", "bench-model", timeout=300)
             if done.returncode != 0:
@@ -482,9 +515,10 @@ def print_table(mode: str, measured: dict[str, Any], peer: Any, localm: Any, arg
               f"{s['loop_ms']:>11.0f} {s['tok_s_min']:>7.1f}-{s['tok_s_max']:<6.1f}")
     ratio = l["tok_s"] / p["tok_s"] if p["tok_s"] else float("nan")
     overhead = l["ttft_ms"] - p["ttft_ms"]
-    print(f"{'ratio localm/peer':<20} {ratio:>7.2f} {overhead:>+6.1f} ms")
+    print(f"{'ratio (2nd/1st)':<20} {ratio:>7.2f} {overhead:>+6.1f} ms")
     pr, pd = paired(results[peer.name], results[localm.name])
-    print(f"  paired by round (median of each round's localm/peer): tok/s ratio {pr:.2f}, TTFT {pd:+.1f} ms")
+    print(f"  paired by round (median of each round's {localm.name}/{peer.name}): tok/s ratio {pr:.2f}, "
+          f"TTFT {pd:+.1f} ms")
     ok_rate = ratio >= 0.97
     ok_ttft = overhead < 5.0
     busy = max(p["others"], l["others"])
@@ -523,6 +557,9 @@ def main() -> None:
                         help="before each round, wait up to this many seconds for the machine to be quiet")
     parser.add_argument("--time-limit", type=float, default=170.0,
                         help="start no new round this many seconds after the start (default 170)")
+    parser.add_argument("--stream-hooks", type=int, default=0,
+                        help="compare localm with this many plugins holding a no-op chat_stream hook against "
+                             "localm without (instead of against llama_cpp.server)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every round")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (server logs)")
     args = parser.parse_args()
@@ -540,7 +577,10 @@ def main() -> None:
     t0 = time.monotonic()
     deadline = t0 + args.time_limit
     workdir = Path(tempfile.mkdtemp(prefix="localm-bench-chat-"))
-    peer, localm = Peer(model, args, workdir), Localm(args, workdir)
+    if args.stream_hooks:  # the seam's cost: localm with no-op stream hooks against localm without
+        peer, localm = Localm(args, workdir), Localm(args, workdir, hooks=args.stream_hooks)
+    else:
+        peer, localm = Peer(model, args, workdir), Localm(args, workdir)
     servers = [peer, localm]
     clients: dict[str, httpx.Client] = {}
     meter = CpuMeter()
@@ -562,11 +602,11 @@ def main() -> None:
             refs[server.name]["stream"] = warm
         pu, lu = refs[peer.name]["usage"], refs[localm.name]["usage"]
         if pu["prompt_tokens"] != lu["prompt_tokens"]:
-            print(f"warning: prompt tokens differ: llama_cpp.server {pu['prompt_tokens']}, "
-                  f"localm {lu['prompt_tokens']} (chat templates differ?)")
+            print(f"warning: prompt tokens differ: {peer.name} {pu['prompt_tokens']}, "
+                  f"{localm.name} {lu['prompt_tokens']} (chat templates differ?)")
         pw = refs[peer.name]["stream"]
         if pw["chunks"] != pu["completion_tokens"]:
-            print(f"warning: llama_cpp.server streamed {pw['chunks']} content chunks for "
+            print(f"warning: {peer.name} streamed {pw['chunks']} content chunks for "
                   f"{pu['completion_tokens']} tokens: its tokens/s counts chunks")
         same_text = refs[peer.name]["text"] == refs[localm.name]["text"]
         name = model.name.removesuffix(".gguf").replace(".", " ")
@@ -574,13 +614,17 @@ def main() -> None:
               f"max_tokens {args.max_tokens}, {args.rounds} rounds, temperature 0 "
               f"(top_p {SAMPLING['top_p']}, top_k {SAMPLING['top_k']}, min_p {SAMPLING['min_p']}, "
               f"repeat_penalty {SAMPLING['repeat_penalty']}), cache_prompt true")
-        print(f"localm serves it as {localm.model_id} (context {localm.context}); llama_cpp.server with "
-              f"n_threads_batch {args.threads}, logits_all and use_mlock off, as localm's engine", flush=True)
-        print(f"prompt: {pu['prompt_tokens']} tokens on llama_cpp.server, {lu['prompt_tokens']} on localm; "
+        if args.stream_hooks:
+            print(f"{localm.name} against {peer.name}: the same server, the plugins' chat_stream hooks "
+                  "keep every event", flush=True)
+        else:
+            print(f"localm serves it as {localm.model_id} (context {localm.context}); llama_cpp.server with "
+                  f"n_threads_batch {args.threads}, logits_all and use_mlock off, as localm's engine", flush=True)
+        print(f"prompt: {pu['prompt_tokens']} tokens on {peer.name}, {lu['prompt_tokens']} on {localm.name}; "
               f"reply: {pu['completion_tokens']} and {lu['completion_tokens']} tokens "
               f"({'identical text' if same_text else 'texts DIFFER'}); tokens counted from "
-              f"{'usage' if refs[localm.name]['stream']['usage_reported'] else 'chunks'} on localm, "
-              f"{'usage' if pw['usage_reported'] else 'content chunks'} on llama_cpp.server", flush=True)
+              f"{'usage' if refs[localm.name]['stream']['usage_reported'] else 'chunks'} on {localm.name}, "
+              f"{'usage' if pw['usage_reported'] else 'content chunks'} on {peer.name}", flush=True)
         round_s = len(servers) * min(refs[s.name]["stream"]["total_s"] for s in servers) + 0.5  # one round
         for i, mode in enumerate(modes):
             share = time.monotonic() + (deadline - time.monotonic()) / (len(modes) - i)

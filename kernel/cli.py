@@ -8,6 +8,7 @@ there is none.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import sys
@@ -96,9 +97,25 @@ class LocalmGroup(click.Group):
             return _unavailable(cmd_name, f"plugin {p.name} failed to load: {exc.__class__.__name__}: {exc}")
         for command in commands:
             if command.name == cmd_name:
-                return command
+                return _guarded(command)
         return _unavailable(cmd_name, f"plugin {p.name} lists the command {cmd_name} in plugin.toml "
                                       "but does not register it")
+
+
+def _guarded(command: click.Command) -> click.Command:
+    """A plugin's command whose refusals (a LocalmError, the server's ServerError) print as
+    ``Error: ...`` with exit status 1, as the builtin commands' do."""
+    callback = command.callback
+    if callback is None or getattr(callback, "_localm_guarded", False):
+        return command
+
+    @functools.wraps(callback)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        return run(lambda: callback(*args, **kwargs))
+
+    guarded._localm_guarded = True  # type: ignore[attr-defined]
+    command.callback = guarded
+    return command
 
 
 def _unavailable(name: str, reason: str) -> click.Command:
@@ -224,7 +241,7 @@ def _after_change(obj: Ctx, name: str) -> None:
     if p["missing_deps"]:
         click.echo(f"It needs: {', '.join(p['missing_deps'])}. Run `localm plugin install-deps {name}`.")
     elif p.get("error"):
-        click.echo(f"It failed to start: {p['error']}")
+        fail(f"{name} failed to start: {p['error']}")
     elif not obj.server:
         click.echo("It starts with the next `localm serve`.")
     elif p["active"]:

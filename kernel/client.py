@@ -1,5 +1,10 @@
 """How CLI commands reach a running server: its address and attach token from
-``<data dir>/server.json``, checked live before use."""
+``<data dir>/server.json``, checked live before use.
+
+``server.json`` (mode 0600) holds ``pid``, ``host``, ``port``, ``url``, ``token`` (the
+server's attach token: the owner's credential from loopback), ``version`` and ``started``
+(epoch seconds). A plugin's command gets a client with ``localm.sdk.connect()``.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,18 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+import click
 import httpx
 
-from .datadir import server_file
+from .datadir import default_data_dir, server_file
+from .errors import LocalmError
 
 
-class ServerError(Exception):
+class ServerError(LocalmError):
+    """The server refused a call: its status and ``detail``."""
+
     def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
+        super().__init__(status, detail)
 
 
 class ServerClient:
@@ -46,6 +53,8 @@ class ServerClient:
         return cls(url, token)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """``method path`` with httpx's keyword arguments (``json=``, ``params=``...): the answer's
+        JSON, or ServerError with the server's status and detail."""
         response = self.http.request(method, path, **kwargs)
         if response.status_code >= 400:
             try:
@@ -64,3 +73,18 @@ class ServerClient:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     yield json.loads(line[6:])
+
+
+def connect(data_dir: str | Path | None = None) -> ServerClient:
+    """The server running on ``data_dir``, for a command to call. By default the data directory
+    the ``localm`` command was given (``--data-dir``, else ``LOCALM_HOME``, else ``~/.localm``).
+    Raises a 503 ``server_not_running`` LocalmError when no server runs there."""
+    if data_dir is None:
+        ctx = click.get_current_context(silent=True)
+        data_dir = getattr(ctx.find_root().obj, "data_dir", None) if ctx is not None else None
+    folder = Path(data_dir) if data_dir is not None else default_data_dir()
+    client = ServerClient.find(folder)
+    if client is None:
+        raise LocalmError(503, f"No localm server is running on {folder}: start one with `localm serve`",
+                          code="server_not_running")
+    return client

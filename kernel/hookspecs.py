@@ -9,8 +9,9 @@ Every hook also receives ``plugin`` (a :class:`localm.sdk.PluginContext` for the
 plugin being called: its name, data directory, settings) and ``host`` (the
 :class:`localm.sdk.Host` services) when it asks for them.
 
-A hook that raises is reported against its plugin (``GET /api/plugins`` → ``errors``)
-and the server keeps serving everything else.
+A hook that raises is reported against its plugin (``GET /api/plugins`` → ``errors``).
+A lifecycle or registration hook that raises stops only its plugin; a per-request hook
+(the chat hooks, ``forward_interventions``) that raises refuses that request.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def register_routes(register: Any, host: Any, plugin: Any) -> None:
 
 
 @hookspec
-def register_settings(register: Any, plugin: Any) -> None:
+def register_settings(register: Any, plugin: Any, host: Any) -> None:
     """Declare settings: ``register(attrs_class)``.
 
     Fields are declared with ``localm.sdk.setting``; they live under ``plugins.<name>``
@@ -64,7 +65,7 @@ def register_settings(register: Any, plugin: Any) -> None:
 
 
 @hookspec
-def register_scopes(register: Any, plugin: Any) -> None:
+def register_scopes(register: Any, plugin: Any, host: Any) -> None:
     """Describe scopes: ``register(name, description)``.
 
     The names a plugin guards routes with must also be listed under ``scopes`` in its
@@ -74,7 +75,7 @@ def register_scopes(register: Any, plugin: Any) -> None:
 
 
 @hookspec
-def register_commands(register: Any, plugin: Any) -> None:
+def register_commands(register: Any, plugin: Any, host: Any) -> None:
     """Add CLI commands: ``register(click_command)``.
 
     Each command's name must be listed under ``commands`` in plugin.toml: the CLI imports
@@ -102,42 +103,62 @@ def register_model_providers(register: Any, host: Any, plugin: Any) -> None:
     """
 
 
-# --- the chat pipeline (implemented by later issues; declared now) -----------------
+# --- the chat pipeline ----------------------------------------------------------------
+#
+# The chat plugin calls these for every chat surface (OpenAI chat and text completions,
+# Ollama, Anthropic Messages, OpenAI Responses). Implementations run in a stable order:
+# the manifest's ``priority`` (lower first, default 0), then the plugin id; each one sees
+# what the one before it returned. ``context`` is the request's chat context (see
+# docs/plugins.md, "Chat hooks"): route, surface, caller, this plugin's ``plugin``, the
+# ``host``, and what a hook may add (claimed fields, headers, response fields, status).
+# A hook that raises ``LocalmError`` refuses the request with that status; any other
+# exception refuses it with a 500 that names the plugin, and is recorded against the
+# plugin in GET /api/plugins: a chat hook never fails open.
 
 @hookspec
-def chat_inlet(request: Any, context: Any) -> Any:
-    """Called in plugin order before a chat request is templated.
+def chat_inlet(request: Any, context: Any, plugin: Any, host: Any) -> Any:
+    """Called once per request, after its fields are checked and before its model loads.
 
-    May return a changed request (dict) or None to leave it as it is; may raise a
-    ``localm.sdk.LocalmError`` to refuse the request. Memory recall, RAG context and
-    Open WebUI-style filters live here.
+    ``request`` is the whole request as an OpenAI body (other surfaces translate theirs):
+    ``messages`` on chat routes, ``prompt`` on text completions (``/v1/completions``,
+    Ollama ``raw``), and every other field the client sent. May return a changed request
+    (a dict) or None to keep it (changes made in place count too); ``model`` may be
+    changed to another registered model. May be a coroutine function.
     """
 
 
 @hookspec
-def chat_stream(event: Any, context: Any) -> Any:
-    """Called for each event of a streamed generation (token, status, tool call).
+def chat_stream(event: Any, context: Any, plugin: Any, host: Any) -> Any:
+    """Called for each event of a streamed reply, before the surface renders it.
 
-    May return a changed event, or None to keep it. Must be fast: it runs per token.
+    ``event`` is a dict: ``{"type": "text", "text"}``, ``{"type": "reasoning", "text"}``,
+    ``{"type": "tool_call", "call"}`` or ``{"type": "status", "code", "text"}``. Return
+    None to keep it, a dict to replace it, or a list of events (empty: drop it). Runs per
+    token: keep it cheap. May be a coroutine function.
     """
 
 
 @hookspec
-def chat_outlet(response: Any, context: Any) -> Any:
-    """Called once with the finished assistant message, before it is rendered.
+def chat_outlet(response: Any, context: Any, plugin: Any, host: Any) -> Any:
+    """Called once a reply has been generated, streamed or not, with the whole assistant
+    message (``role``, ``content``, and ``reasoning_content``/``tool_calls`` when present).
 
-    May return a changed response, or None. Memory capture and audit logging live here.
+    May return a changed message, or None. For a streamed reply the text is already sent:
+    what the hook appends to ``content`` (a footer) goes out as a last piece of text, and
+    other edits reach only later hooks. Not called when the generation failed or the client
+    left. May be a coroutine function.
     """
 
 
 # --- forward-pass hooks (steering, circuits, SAE activations) --------------------
 
 @hookspec
-def forward_interventions(request: Any, model: Any, register: Any) -> None:
-    """Called once per chat or text completion, after its fields are read and before its
+def forward_interventions(request: Any, model: Any, register: Any, plugin: Any, host: Any) -> None:
+    """Called once per chat or text completion, after the chat_inlet hooks and before its
     model loads. Embeddings and scoring requests never call it: they are never steered.
 
-    ``request`` is the OpenAI body (other surfaces translate theirs into one); ``model``
+    ``request`` is the OpenAI body as the inlet hooks left it (other surfaces translate
+    theirs into one); ``model``
     says what will answer: ``model.id``, ``model.type`` ("gguf" or "hf"), ``model.engine``
     (the engine plugin's name) and ``model.capabilities`` (the registry's). ``register``
     collects, for this request only:
@@ -163,7 +184,7 @@ def forward_interventions(request: Any, model: Any, register: Any) -> None:
 
 
 @hookspec
-def activation_readers(request: Any, model: Any, register: Any) -> None:
+def activation_readers(request: Any, model: Any, register: Any, plugin: Any, host: Any) -> None:
     """Called once per generation: ``register(layer, reader, point)`` reads activations.
 
     ``point`` is ``"pre"`` or ``"post"`` (before or after interventions at that layer).

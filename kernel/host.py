@@ -97,12 +97,20 @@ class Host:
         self._renderers[family] = plugin
 
     async def run_hook(self, name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every active plugin's implementation of a pipeline hook, in plugin order.
+        """Call every active plugin's implementation of a per-request hook, in order (the
+        manifest's ``priority``, lower first, then the plugin id); (plugin, result) pairs.
 
-        Returns (plugin, result) pairs. A LocalmError from a hook refuses the request;
-        any other exception is logged against its plugin and skipped.
+        A LocalmError from a hook refuses the request; any other exception is recorded
+        against its plugin (GET /api/plugins) and refuses the request with a 500 naming it.
         """
         return await self._kernel.plugins.run_hook(name, **kwargs)
+
+    def hooks(self, name: str) -> list[Any]:
+        """The active implementations of a hook, in the order ``run_hook`` calls them: each
+        has ``plugin`` (its id), ``context`` (its PluginContext) and is called as
+        ``await impl(**kwargs)``, failing closed as ``run_hook`` does. For a caller that
+        chains results from one implementation to the next (the chat service)."""
+        return self._kernel.plugins.hook_impls(name)
 
     def register_engine(self, plugin: str, name: str, factory: Any) -> None:
         owner = self._kernel.engines.get(name)

@@ -14,6 +14,7 @@ requirements = ["humanize>=4"]   # pip requirements (installed by `localm plugin
 pip_env = {}                 # environment for building them (e.g. CMAKE_ARGS); set: pip skips its cache
 protected = false            # true: cannot be disabled or uninstalled
 ships_disabled = false       # true: installed but off until enabled
+priority = 0                 # order among plugins implementing the same chat hook: lower runs first
 commands = ["hello"]         # CLI command names it adds (`localm hello ...`)
 label = "Hello"
 group = "Examples"
@@ -85,6 +86,11 @@ def _check_scopes(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> No
             raise _FieldError(att.name, f"{v!r} is not a scope name (e.g. 'rag' or 'rag:write')")
 
 
+def _check_priority(inst: Any, att: attrs.Attribute, value: int) -> None:
+    if not -1000 <= value <= 1000:
+        raise _FieldError(att.name, f"{value} is out of range (an integer from -1000 to 1000)")
+
+
 def _check_requirements(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> None:
     for v in value:
         try:
@@ -106,6 +112,7 @@ class Manifest:
     pip_env: dict[str, str] = attrs.field(factory=dict)
     protected: bool = False
     ships_disabled: bool = False
+    priority: int = attrs.field(default=0, validator=_check_priority)
     commands: tuple[str, ...] = ()
     label: str | None = None
     group: str | None = None

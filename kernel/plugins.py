@@ -100,6 +100,8 @@ class Plugin:
     scope_descriptions: dict[str, str] = attrs.Factory(dict)
     loaded_fingerprint: str | None = None
     excluded: bool = False
+    #: the last failure of one of its per-request hooks (chat_inlet, ...) while it stayed active
+    hook_error: str | None = None
 
     @property
     def protected(self) -> bool:
@@ -147,6 +149,45 @@ class PluginContext:
         return self._host.services.jobs.start(fn, kind=kind, title=title, owner=owner, plugin=self.name)
 
 
+class HookImpl:
+    """One active plugin's implementation of a hook, ready to call: ``await impl(**kwargs)``
+    passes the arguments it asks for (``plugin`` and ``host`` included), awaits a coroutine,
+    and turns any exception but a ``LocalmError`` into the plugin's recorded failure."""
+
+    __slots__ = ("_host", "plugin", "context", "priority", "hook", "function", "argnames")
+
+    def __init__(self, host: "PluginHost", p: Plugin, hook: str, function: Callable[..., Any],
+                 argnames: tuple[str, ...]) -> None:
+        self._host = host
+        self.plugin = p.name
+        self.context = host.context(p)
+        self.priority = p.manifest.priority if p.manifest else 0
+        self.hook = hook
+        self.function = function
+        self.argnames = argnames
+
+    async def __call__(self, **kwargs: Any) -> Any:
+        kwargs.setdefault("plugin", self.context)
+        kwargs.setdefault("host", self._host.services)
+        try:
+            value = self.function(**{arg: kwargs.get(arg) for arg in self.argnames})
+            if inspect.isawaitable(value):
+                value = await value
+        except LocalmError:
+            raise
+        except Exception as exc:
+            raise self.failed(exc) from None
+        return value
+
+    def failed(self, exc: BaseException) -> LocalmError:
+        """Record ``exc`` as this plugin's failure (for a hook that returned what it may not)
+        and return the 500 refusal that names the plugin."""
+        return self._host.hook_failed(self.plugin, self.hook, exc)
+
+    def __repr__(self) -> str:
+        return f"<{self.hook} of {self.plugin}>"
+
+
 class PluginHost:
     def __init__(self, *, data_dir: Path, config: Config, services: Any,
                  builtin_dirs: list[Path] | None = None, store_dirs: list[Path] | None = None,
@@ -165,6 +206,8 @@ class PluginHost:
         self.order: list[str] = []
         self._lock = asyncio.Lock()
         self._contexts: dict[str, PluginContext] = {}
+        self._impl_cache: dict[str, tuple[int, list[HookImpl]]] = {}
+        self._impl_version = 0  # bumped whenever the set of active plugins changes
         self.on_change: Callable[[], None] = lambda: None
 
     # --- paths -----------------------------------------------------------------
@@ -369,24 +412,39 @@ class PluginHost:
             results.append(value)
         return results
 
-    async def run_hook(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    def hook_impls(self, hook: str) -> list["HookImpl"]:
+        """Active plugins' implementations of ``hook``, in their stable order: the manifest's
+        ``priority`` (lower first), then the plugin id."""
+        cached = self._impl_cache.get(hook)
+        if cached is not None and cached[0] == self._impl_version:
+            return cached[1]
         out = []
-        caller = getattr(self.pm.hook, hook)
-        for impl in caller.get_hookimpls():
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
             p = self.plugins.get(impl.plugin_name)
             if p is None or not p.active:
                 continue
-            try:
-                value = impl.function(**{arg: kwargs[arg] for arg in impl.argnames if arg in kwargs})
-                if inspect.isawaitable(value):
-                    value = await value
-            except LocalmError:
-                raise
-            except Exception:
-                log.error("plugin %s: %s hook failed:\n%s", p.name, hook, traceback.format_exc())
-                continue
-            out.append((p.name, value))
+            out.append(HookImpl(self, p, hook, impl.function, tuple(impl.argnames)))
+        out.sort(key=lambda i: (i.priority, i.plugin))
+        self._impl_cache[hook] = (self._impl_version, out)
         return out
+
+    def hook_failed(self, name: str, hook: str, exc: BaseException) -> LocalmError:
+        """Record a hook's failure against its plugin (GET /api/plugins shows it) and return
+        the refusal to answer: a 500 that names the plugin and nothing of its internals."""
+        log.error("plugin %s: %s hook failed", name, hook, exc_info=exc)
+        p = self.plugins.get(name)
+        if p is not None:
+            p.hook_error = f"{hook} hook failed: {_error_text(exc)}"
+        return LocalmError(500, f"The {name} plugin failed in its {hook} hook; the request was refused",
+                           code="plugin_failed", plugin=name)
+
+    async def run_hook(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call every active implementation of ``hook`` in order; (plugin, result) pairs.
+
+        A ``LocalmError`` from a hook refuses the request; any other exception is recorded
+        against its plugin and refuses it too (a 500 naming the plugin): a hook never fails open.
+        """
+        return [(impl.plugin, await impl(**kwargs)) for impl in self.hook_impls(hook)]
 
     def has_impls(self, hook: str) -> bool:
         return bool(getattr(self.pm.hook, hook).get_hookimpls())
@@ -398,7 +456,7 @@ class PluginHost:
                 for impl in self.impls(hook, p)]
 
     async def _activate(self, p: Plugin) -> None:
-        p.error = None
+        p.error = p.hook_error = None
         try:
             module = self._import(p)
         except (Exception, SystemExit) as exc:  # a broken plugin never takes the server down
@@ -431,6 +489,7 @@ class PluginHost:
             await self._deactivate(p, keep_error=True)
             return
         p.active = True
+        self._impl_version += 1
         log.info("plugin %s %s active", p.name, p.manifest.version if p.manifest else "")
 
     def _declare(self, p: Plugin, cls: type) -> None:
@@ -444,6 +503,7 @@ class PluginHost:
             except Exception:
                 log.error("plugin %s failed to shut down cleanly:\n%s", p.name, traceback.format_exc())
         p.active = False
+        self._impl_version += 1
         if p.loaded and self.pm.has_plugin(p.name):
             self.pm.unregister(name=p.name)
         self.services.forget_provider(p.name)
@@ -453,7 +513,7 @@ class PluginHost:
         p.loaded_fingerprint = None
         self._forget_modules(p.name)
         if not keep_error:
-            p.error = None
+            p.error = p.hook_error = None
 
     async def fail(self, name: str, error: str) -> None:
         """Mark an active plugin failed (e.g. its routes could not be mounted) and stop it."""
@@ -499,8 +559,8 @@ class PluginHost:
         for p in self.plugins.values():
             if p.manifest_error:
                 out[p.name] = p.manifest_error
-            elif p.error:
-                out[p.name] = p.error
+            elif p.error or p.hook_error:
+                out[p.name] = p.error or p.hook_error
         return out
 
     def describe(self, p: Plugin) -> dict[str, Any]:
@@ -527,7 +587,7 @@ class PluginHost:
             "tool_exports": list(m.tool_exports) if m else [],
             "commands": list(m.commands) if m else [],
             "extra": {"excluded_by_plugins_option": p.excluded} if p.excluded else {},
-            "error": p.manifest_error or p.error,
+            "error": p.manifest_error or p.error or p.hook_error,
             "installed": p.installed,
             "enabled": p.installed and self.enabled(p),
             "active": p.active,

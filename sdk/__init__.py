@@ -24,6 +24,7 @@ from litestar.response import Stream
 
 from localm.kernel.app import principal_of as caller
 from localm.kernel.auth import Principal
+from localm.kernel.client import ServerClient, ServerError, connect
 from localm.kernel.errors import LocalmError
 from localm.kernel.host import Host
 from localm.kernel.hookspecs import hookimpl
@@ -32,7 +33,6 @@ from localm.kernel.plugins import PluginContext
 from localm.kernel.routes.common import EventStream, sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
 from localm.kernel.settings import FieldSpec, setting
-
 
 
 def host_of(request: Request) -> Host:
@@ -62,4 +62,6 @@ __all__ = [
     "JobContext", "JobCancelled",
     # host
     "Host", "PluginContext",
+    # the running server, from a CLI command
+    "connect", "ServerClient", "ServerError",
 ]

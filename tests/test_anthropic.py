@@ -362,7 +362,7 @@ def _render(items: list[Any], fail: Exception | None = None, **outcome: Any) -> 
             raise fail
         vars(out).update(outcome)
 
-    gen = types.SimpleNamespace(outcome=out, model="m", items=produce)
+    gen = types.SimpleNamespace(outcome=out, model="m", items=produce, extra={})
 
     async def collect() -> list[bytes]:
         return [chunk async for chunk in _load("render").events(gen, _Items(), "msg_1")]

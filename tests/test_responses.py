@@ -325,9 +325,6 @@ class FakeChat:
     def redact(text: str) -> str:
         return text
 
-    async def outlet(self, message: dict[str, Any], *, route: str) -> tuple[dict[str, Any], bool]:
-        return message, False
-
 
 @attrs.define
 class Outcome:
@@ -342,6 +339,7 @@ class Outcome:
 class FakeGen:
     items_: list[Any]
     outcome: Outcome
+    extra: dict[str, Any] = attrs.Factory(dict)
 
     async def items(self) -> Any:
         for item in self.items_:
@@ -356,7 +354,8 @@ class FakeGen:
                 content.append(item.text)
             elif isinstance(item, Reasoning):
                 reasoning.append(item.text)
-        return type("Reply", (), {"text": "".join(content), "reasoning": reasoning, "logprobs": []})()
+        return type("Reply", (), {"text": "".join(content), "reasoning": reasoning, "logprobs": [],
+                                  "calls": list(self.outcome.calls), "rewritten": False})()
 
 
 THOUGHT = [Reasoning("The user "), Reasoning("greets.")]

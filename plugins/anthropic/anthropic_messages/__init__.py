@@ -15,7 +15,7 @@ from typing import Any
 from localm import sdk
 
 from . import render
-from .translate import to_chat_body
+from .translate import to_chat_body, unread
 
 ROUTE = "anthropic"
 #: x_api_key: Anthropic clients send their key as x-api-key (a bearer token still wins)
@@ -35,8 +35,9 @@ async def _body(request: sdk.Request) -> Any:
 async def messages(request: sdk.Request) -> Any:
     received = time.perf_counter()
     chat = sdk.host_of(request).service("chat")
-    body = to_chat_body(await _body(request))
-    gen = await chat.chat(body, route=ROUTE, received=received)
+    raw = await _body(request)
+    body = to_chat_body(raw)
+    gen = await chat.chat(body, route=ROUTE, request=request, extra=unread(raw), received=received)
     ident = render.message_id()
     if body["stream"]:
         return sdk.EventStream(render.events(gen, chat, ident),
@@ -45,22 +46,18 @@ async def messages(request: sdk.Request) -> Any:
     outcome = gen.outcome
     if outcome.finish_reason == "error":
         raise sdk.LocalmError(500, outcome.error or "Generation failed")
-    said: dict[str, Any] = {"role": "assistant", "content": reply.text}
-    if reply.reasoning:
-        said["reasoning_content"] = "".join(reply.reasoning)
-    if outcome.calls:
-        said["tool_calls"] = outcome.calls
-    said, _ = await chat.outlet(said, route=ROUTE)
-    return sdk.Response(render.message(ident, gen.model, said.get("content") or "", said.get("reasoning_content") or "",
-                                       said.get("tool_calls") or [], outcome), headers=gen.headers)
+    message = render.message(ident, gen.model, reply.text, "".join(reply.reasoning), reply.calls, outcome)
+    return sdk.Response({**gen.extra, **message}, headers=gen.headers)
 
 
 @sdk.post("/v1/messages/count_tokens", scope=None, access="inference", error_family="anthropic", opt=OPT,
           summary="Anthropic token count")
 async def count_tokens(request: sdk.Request) -> dict[str, int]:
     chat = sdk.host_of(request).service("chat")
-    body = to_chat_body(await _body(request), counting=True)
-    return {"input_tokens": await chat.count_tokens(body)}
+    raw = await _body(request)
+    body = to_chat_body(raw, counting=True)
+    return {"input_tokens": await chat.count_tokens(body, route="anthropic.count_tokens", request=request,
+                                                    extra=unread(raw))}
 
 
 def anthropic_error(status: int, detail: str, code: str | None, extra: dict[str, Any]) -> sdk.Response:

@@ -150,7 +150,8 @@ async def events(gen: Any, chat: Any, ident: str) -> AsyncIterator[bytes]:
             yield chunk
     for chunk in close():
         yield chunk
-    yield event("message_delta", {"delta": {"stop_reason": stop_reason(outcome),
-                                            "stop_sequence": outcome.stop_sequence},
-                                  "usage": usage(outcome)})
+    # the fields chat plugins added to the response ride on the last message_delta
+    added = {key: value for key, value in gen.extra.items() if key != "type"}
+    delta = {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence}
+    yield event("message_delta", {**added, "delta": delta, "usage": usage(outcome)})
     yield event("message_stop", {})

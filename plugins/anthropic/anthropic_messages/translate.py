@@ -73,6 +73,15 @@ def to_chat_body(body: Any, *, counting: bool = False) -> dict[str, Any]:
     return out
 
 
+def unread(body: Any) -> dict[str, Any]:
+    """The client's fields this surface neither reads nor knows: the chat plugins see them in
+    the request (a plugin's own field, such as ``rag``, sent through ``extra_body``)."""
+    if not isinstance(body, dict):
+        return {}
+    return {key: value for key, value in body.items() if key not in READ and key not in NO_EFFECT
+            and key not in LOCALM}
+
+
 # --- messages ------------------------------------------------------------------------
 
 def _system(system: Any) -> list[dict[str, Any]]:

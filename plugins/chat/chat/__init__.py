@@ -86,7 +86,8 @@ async def chat_completions(request: sdk.Request) -> Any:
         return await scoring.serve(request, "chat", body)
     if not isinstance(body, dict):
         body = {"": body}  # the reader refuses it with its 422
-    gen = await host.service("chat").chat(body, request_headers=request.headers, received=received)
+    gen = await host.service("chat").chat(body, route="chat.completions", request=request, report=True,
+                                          received=received)
     options, outcome = gen.options, gen.outcome
     ident = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
@@ -94,25 +95,24 @@ async def chat_completions(request: sdk.Request) -> Any:
     if not gen.common.stream:
         reply = await gen.reply()
         message: dict[str, Any] = {"role": "assistant",
-                                   "content": None if outcome.calls and not reply.text.strip() else reply.text}
+                                   "content": None if reply.calls and not reply.text.strip() else reply.text}
         if reply.reasoning:
             message["reasoning_content"] = "".join(reply.reasoning)
-        if outcome.calls:
-            message["tool_calls"] = outcome.calls
-        message, rewritten = await host.service("chat").outlet(message)
+        if reply.calls:
+            message["tool_calls"] = reply.calls
         logprobs = None
         if options.logprobs is not None:
-            if rewritten:
+            if reply.rewritten:
                 log.info("logprobs left out: a chat plugin rewrote the reply")
             else:
                 logprobs = {"content": [_chat_logprob(e, options.token_ids) for e in reply.logprobs],
                             "refusal": None}
-        return sdk.Response({"id": ident, "object": "chat.completion", "created": created, "model": gen.model,
-                             "system_fingerprint": gen.fingerprint,
+        return sdk.Response({**gen.extra, "id": ident, "object": "chat.completion", "created": created,
+                             "model": gen.model, "system_fingerprint": gen.fingerprint,
                              "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                           "finish_reason": outcome.finish_reason,
                                           "stop_sequence": outcome.stop_sequence}],
-                             "usage": pipeline.usage(outcome), **gen.extra}, headers=gen.headers)
+                             "usage": pipeline.usage(outcome)}, headers=gen.headers)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -122,6 +122,7 @@ async def chat_completions(request: sdk.Request) -> Any:
 
     async def chunks() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
+        calls = 0
         try:
             async for item in gen.items():
                 if isinstance(item, pipeline.Piece):
@@ -132,17 +133,17 @@ async def chat_completions(request: sdk.Request) -> Any:
                 elif isinstance(item, pipeline.Reasoning):
                     yield chunk({"reasoning_content": item.text})
                 elif isinstance(item, pipeline.Call):
-                    index = outcome.calls.index(item.call)
-                    yield chunk({"tool_calls": [{"index": index, **item.call}]})
-                elif item.code == "waiting":
+                    yield chunk({"tool_calls": [{"index": calls, **item.call}]})
+                    calls += 1
+                elif item.code != "generating":
                     yield chunk({"status": item.text, "status_code": item.code})
         except sdk.LocalmError as exc:  # the stream is open: a refusal now travels in band
             outcome.finish_reason = "error"
             yield chunk({"content": f"\n[inference error: {pipeline.redact(exc.detail)}]"},
                         localm_error={"status": exc.status, "detail": exc.detail, "code": exc.code})
-        if gen.extra:  # what readers added (SAE activations): one chunk with empty choices
-            yield _event({"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model,
-                          "choices": [], **gen.extra})
+        if gen.extra:  # what hooks and readers added: one chunk with empty choices
+            yield _event({**gen.extra, "id": ident, "object": "chat.completion.chunk", "created": created,
+                          "model": gen.model, "choices": []})
         last = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model,
                 "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}
@@ -164,7 +165,8 @@ async def completions(request: sdk.Request) -> Any:
         return await scoring.serve(request, "completions", body)
     if not isinstance(body, dict):
         body = {"": body}
-    gen = await host.service("chat").complete(body, request_headers=request.headers, received=received)
+    gen = await host.service("chat").complete(body, route="completions", request=request, report=True,
+                                              received=received)
     options, outcome = gen.options, gen.outcome
     prompt_text = body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][0]
     echo = bool(body.get("echo"))
@@ -175,13 +177,18 @@ async def completions(request: sdk.Request) -> Any:
     if not gen.common.stream:
         reply = await gen.reply()
         text = reply.text
-        logprobs = None if options.logprobs is None else _text_logprobs(reply.logprobs, offset, options.token_ids)
-        return sdk.Response({"id": ident, "object": "text_completion", "created": created, "model": gen.model,
-                             "system_fingerprint": gen.fingerprint,
+        logprobs = None
+        if options.logprobs is not None:
+            if reply.rewritten:
+                log.info("logprobs left out: a chat plugin rewrote the reply")
+            else:
+                logprobs = _text_logprobs(reply.logprobs, offset, options.token_ids)
+        return sdk.Response({**gen.extra, "id": ident, "object": "text_completion", "created": created,
+                             "model": gen.model, "system_fingerprint": gen.fingerprint,
                              "choices": [{"index": 0, "text": (prompt_text + text) if echo else text,
                                           "logprobs": logprobs, "finish_reason": outcome.finish_reason,
                                           "stop_sequence": outcome.stop_sequence}],
-                             "usage": pipeline.usage(outcome, timings=False, capacity=False), **gen.extra},
+                             "usage": pipeline.usage(outcome, timings=False, capacity=False)},
                             headers=gen.headers)
 
     def chunk(text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
@@ -204,8 +211,8 @@ async def completions(request: sdk.Request) -> Any:
             yield chunk(f"\n[inference error: {pipeline.redact(exc.detail)}]",
                         localm_error={"status": exc.status, "detail": exc.detail, "code": exc.code})
         if gen.extra:
-            yield _event({"id": ident, "object": "text_completion", "created": created, "model": gen.model,
-                          "choices": [], **gen.extra})
+            yield _event({**gen.extra, "id": ident, "object": "text_completion", "created": created,
+                          "model": gen.model, "choices": []})
         last = {"id": ident, "object": "text_completion", "created": created, "model": gen.model,
                 "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}

@@ -109,23 +109,42 @@ def check(route: str, body: dict[str, Any], headers: Any, used: set[str] | None 
     ``used`` replaces the route's own set of used fields (scoring requests read other fields).
     """
     used = USED[route] if used is None else used
+    refuse_not_honoured(route, body, used)
+    return report(list(_unused(route, body, used)), headers, ROUTE_NAMES[route])
+
+
+def refuse_not_honoured(route: str, body: dict[str, Any], used: set[str]) -> None:
+    """400 field_not_honoured for an output-changing field nothing here serves."""
     for key, value in body.items():
         if key in NOT_HONOURED and key not in used and not _no_change(key, value):
-            raise sdk.LocalmError(400, f"{key} cannot be honoured on {_ROUTE_NAMES[route]}: {NOT_HONOURED[key]}",
+            raise sdk.LocalmError(400, f"{key} cannot be honoured on {ROUTE_NAMES[route]}: {NOT_HONOURED[key]}",
                                   code="field_not_honoured", field=key)
-    unused = list(_unused(route, body, used))
+
+
+def unused(route: str, body: dict[str, Any], used: set[str]) -> list[str]:
+    """Where ``body`` holds fields the route does not use (``messages[2].name``, ...)."""
+    return list(_unused(route, body, used))
+
+
+def claimed(location: str, claims: set[str]) -> bool:
+    """Whether a claim covers ``location``: the field itself or one that holds it."""
+    return any(location == c or location.startswith((c + ".", c + "[")) for c in claims)
+
+
+def report(unused: list[str], headers: Any, where: str) -> dict[str, str]:
+    """The ignored-fields headers for ``unused`` (none when empty); with X-Localm-Strict, a 400."""
     strict = strict_mode(headers)
     if not unused:
         return {}
     if strict:
         raise sdk.LocalmError(400, "Unused fields (X-Localm-Strict): " + ", ".join(unused),
                               code="unused_fields_refused", fields=unused)
-    log.warning("request_fields_unused on %s: %s", _ROUTE_NAMES[route], ", ".join(unused))
+    log.warning("request_fields_unused on %s: %s", where, ", ".join(unused))
     value = header_value(unused)
     return {name: value for name in IGNORED_HEADERS}
 
 
-_ROUTE_NAMES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+ROUTE_NAMES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 
 def _unused(route: str, body: dict[str, Any], used: set[str]) -> Iterable[str]:

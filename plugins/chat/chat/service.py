@@ -15,13 +15,20 @@ Every refusal before generation (a malformed field, an unknown model, a prompt t
 not fit) is a :class:`sdk.LocalmError` raised by ``chat``/``complete``, with the status the
 OpenAI routes would answer; a surface renders it in its own error shape. Fields are read
 by the same readers as the OpenAI routes, so a field means the same on every surface.
-The chat inlet hooks run inside ``chat`` for every surface; ``outlet`` runs the outlet
-hooks on a finished reply.
+
+The chat hooks run here for every surface: the chat_inlet hooks inside ``chat`` and
+``complete``, the chat_stream hooks on each item of ``generation.items()`` (a streamed
+reply), and the chat_outlet hooks when the reply ends, in ``items()`` or ``reply()``.
+What hooks add to the response is in ``generation.headers`` (send them) and
+``generation.extra`` (fields for the body, or for one last chunk of a stream).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,7 +37,9 @@ import attrs
 from localm import sdk
 from localm.sdk import engines as spec
 
-from . import constrained, fields, pipeline
+from . import constrained, fields, hooks, pipeline
+
+log = logging.getLogger("localm.plugin.chat")
 from .prompt import chat_tokens
 from .request import Common, Options, Reader, read_common, read_messages, read_options
 
@@ -47,14 +56,27 @@ def fingerprint(entry: Any, engine: Any) -> str:
 
 @attrs.define
 class Reply:
-    """A whole reply, for a non-streaming request."""
+    """A whole reply, for a non-streaming request, as the chat_outlet hooks left it."""
     content: list[str] = attrs.Factory(list)
     reasoning: list[str] = attrs.Factory(list)
     logprobs: list[dict[str, Any]] = attrs.Factory(list)
+    calls: list[dict[str, Any]] = attrs.Factory(list)
+    #: an outlet hook changed the message (its log probabilities no longer spell it)
+    rewritten: bool = False
 
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+
+def _message(content: str, reasoning: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant message the outlet hooks see."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 @attrs.define
@@ -68,18 +90,25 @@ class Generation:
     plan: pipeline.Plan
     common: Common
     options: Options
-    headers: dict[str, str]  # response headers every surface sends (seed echo, constraint, ignored fields)
+    headers: dict[str, str]  # response headers every surface sends (seed echo, constraint, ignored fields, hooks)
     model: str  # the model name to show: the one asked for, or the model that answers
     received: float  # time.perf_counter() when the request arrived
+    chain: hooks.Chain  # this request's chat hooks
     messages: list[dict[str, Any]] | None = None  # the messages after the inlet hooks (chat only)
     outcome: pipeline.Outcome = attrs.Factory(pipeline.Outcome)
     reads: list[tuple[Any, Any]] = attrs.Factory(list)  # (ActivationRead, done) from forward_interventions
-    #: fields the forward_interventions readers add to the response, filled when the generation ends
+    #: fields added to the response: by the chat hooks (context.field) and, when the
+    #: generation ends, by the forward_interventions readers
     extra: dict[str, Any] = attrs.Factory(dict)
 
-    async def items(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning | pipeline.Call]:
-        """Generate. A constrained document the model ended itself is validated at the end:
-        a failure raises 500 constrained_output_invalid after the last item."""
+    @property
+    def context(self) -> hooks.ChatContext:
+        """The request's chat context (what the chat hooks saw)."""
+        return self.chain.context
+
+    async def _generate(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning | pipeline.Call]:
+        """The engine's items. A constrained document the model ended itself is validated at
+        the end: a failure raises 500 constrained_output_invalid after the last item."""
         content: list[str] = []
         async with self.host.models.use(self.entry.id) as resident:
             async for item in pipeline.run(resident.engine, self.prompt, self.common, self.received, self.outcome,
@@ -97,16 +126,84 @@ class Generation:
                 self.extra.update(await asyncio.to_thread(done, rows, list(self.prompt),
                                                           list(self.outcome.token_ids)) or {})
 
+    async def items(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning | pipeline.Call]:
+        """Generate a streamed reply: each item as the chat_stream hooks leave it (the inlet
+        hooks' status events first); when the reply ends the chat_outlet hooks run on the whole
+        message as it was sent, and the text or reasoning they append is sent last."""
+        chain = self.chain
+        chain.shared.opened = True
+        said_text: list[str] = []
+        said_reasoning: list[str] = []
+        calls: list[dict[str, Any]] = []
+        through = chain.stream if chain.streams else None
+
+        async def sent(item: Any) -> list[Any]:
+            out = await through(item) if through is not None else [item]
+            for one in out:
+                if isinstance(one, pipeline.Piece):
+                    said_text.append(one.text)
+                elif isinstance(one, pipeline.Reasoning):
+                    said_reasoning.append(one.text)
+                elif isinstance(one, pipeline.Call):
+                    calls.append(one.call)
+            return out
+
+        for status in chain.statuses():
+            for out in await sent(status):
+                yield out
+        async with contextlib.aclosing(self._generate()) as generated:
+            async for item in generated:
+                for out in await sent(item):
+                    yield out
+                for status in chain.statuses():  # a stream hook asked for one
+                    for out in await sent(status):
+                        yield out
+        if self.outcome.finish_reason != "error":
+            text, reasoning = "".join(said_text), "".join(said_reasoning)
+            message, _ = await chain.outlet(_message(text, reasoning, calls))
+            for status in chain.statuses():
+                yield status
+            for item in _appended(message, text, reasoning):
+                yield item
+        if chain.shared.late_headers:
+            self.extra["localm_headers"] = dict(chain.shared.late_headers)
+
     async def reply(self) -> Reply:
-        """The whole reply (for a non-streaming request)."""
+        """The whole reply (for a non-streaming request), after the chat_outlet hooks."""
         reply = Reply()
-        async for item in self.items():
-            if isinstance(item, pipeline.Piece):
-                reply.content.append(item.text)
-                reply.logprobs.extend(item.logprobs)
-            elif isinstance(item, pipeline.Reasoning):
-                reply.reasoning.append(item.text)
+        async with contextlib.aclosing(self._generate()) as generated:
+            async for item in generated:
+                if isinstance(item, pipeline.Piece):
+                    reply.content.append(item.text)
+                    reply.logprobs.extend(item.logprobs)
+                elif isinstance(item, pipeline.Reasoning):
+                    reply.reasoning.append(item.text)
+        reply.calls = list(self.outcome.calls)
+        if self.outcome.finish_reason != "error":
+            message, reply.rewritten = await self.chain.outlet(
+                _message(reply.text, "".join(reply.reasoning), reply.calls))
+            if reply.rewritten:
+                reply.content = [message.get("content") or ""]
+                reasoning = message.get("reasoning_content") or ""
+                reply.reasoning = [reasoning] if reasoning else []
+                reply.calls = list(message.get("tool_calls") or [])
+        self.chain.statuses()  # status events have nowhere to go in a whole reply
         return reply
+
+
+def _appended(message: dict[str, Any], text: str, reasoning: str) -> list[Any]:
+    """What outlet hooks added to a reply already streamed: the end of its reasoning and of its
+    text (a footer). Other edits cannot reach a client that has the text already."""
+    out: list[Any] = []
+    new_reasoning = message.get("reasoning_content") or ""
+    if new_reasoning != reasoning and new_reasoning.startswith(reasoning):
+        out.append(pipeline.Reasoning(new_reasoning[len(reasoning):]))
+    new_text = message.get("content") or ""
+    if new_text != text and new_text.startswith(text):
+        out.append(pipeline.Piece(new_text[len(text):]))
+    elif new_text != text or (new_reasoning != reasoning and not new_reasoning.startswith(reasoning)):
+        log.info("a chat_outlet hook rewrote a streamed reply; only what it appends reaches the client")
+    return out
 
 
 @attrs.frozen
@@ -170,67 +267,79 @@ class ChatService:
         """An error text with absolute paths cut to file names, as every surface sends it."""
         return pipeline.redact(text)
 
-    async def chat(self, body: dict[str, Any], *, route: str = "chat.completions", request_headers: Any = None,
-                   received: float | None = None) -> Generation:
+    async def chat(self, body: dict[str, Any], *, route: str = "chat.completions", request: Any = None,
+                   report: bool | None = None, ignored: list[str] | None = None, extra: dict[str, Any] | None = None,
+                   request_headers: Any = None, received: float | None = None) -> Generation:
         """Prepare a chat generation from an OpenAI chat-completions ``body``.
 
-        ``request_headers`` (the OpenAI routes pass theirs) turns on the ignored-fields
-        report and strict mode; surfaces that translate their own requests leave it out.
-        ``route`` names the surface to the inlet hooks (``context["route"]``).
+        ``route`` names the surface to the chat hooks (``context.route``). ``request`` is the
+        HTTP request: the caller, and the headers X-Localm-Strict is read from. ``report``
+        turns on the ignored-fields report (X-Localm-Ignored-Fields, and X-Localm-Strict's
+        refusal): on an OpenAI body the service finds the unused fields itself; a surface that
+        translated its request passes its own list as ``ignored`` (locations in its words).
+        ``extra`` holds the client's fields the surface did not read: the inlet hooks see
+        them in the request, and a hook that claims one takes it off the report.
+        ``request_headers`` (the older spelling) turns the report on with those headers.
         """
         received = time.perf_counter() if received is None else received
+
+        def read(r: Reader) -> tuple[Common, list[dict[str, Any]], Options]:
+            return read_common(r), read_messages(r), read_options(r, "chat")
+
         r = Reader(body)
-        common = read_common(r)
-        messages = read_messages(r)
-        options = read_options(r, "chat")
+        common, messages, options = read(r)
         r.done()
-        steering = await self._interventions(body, common)
-        headers = self._fields("chat", body, request_headers, steering)
-        hooked = {"messages": messages, "model": common.model}
-        for _, changed in await self.host.run_hook("chat_inlet", request=hooked, context={"route": route}):
-            if isinstance(changed, dict):
-                hooked = changed
-        messages = hooked["messages"]
+        chain = self._chain(route, common, request)
+        hooked, changed_by = await chain.inlet(self._hooked(body, extra, "chat", chain))
+        if changed_by:
+            common, messages, options = self._reread(hooked, read, changed_by, common, chain)
+        steering = await self._interventions(hooked, common)
+        headers = self._fields("chat", body, request, request_headers, report, ignored, chain, steering)
+        self._check_stream(options, common, chain)
 
         def render(engine: Any) -> tuple[list[int], bool]:
             return chat_tokens(engine, messages, tools=options.tools, thinking=options.thinking)
 
-        generation = await self._prepare(common, options, render, headers, received, steering)
+        generation = await self._prepare(common, options, render, headers, received, chain, steering)
         generation.messages = messages
         return generation
 
-    async def complete(self, body: dict[str, Any], *, request_headers: Any = None,
+    async def complete(self, body: dict[str, Any], *, route: str = "completions", request: Any = None,
+                       report: bool | None = None, ignored: list[str] | None = None,
+                       extra: dict[str, Any] | None = None, request_headers: Any = None,
                        received: float | None = None) -> Generation:
         """Prepare a text completion from an OpenAI completions ``body`` (``prompt`` one string):
-        the prompt goes to the model as written, with no chat template."""
+        the prompt goes to the model as written, with no chat template. The chat hooks run as
+        for ``chat``; the inlet hooks see ``prompt`` where a chat has ``messages``."""
         received = time.perf_counter() if received is None else received
+
+        def read(r: Reader) -> tuple[Common, str, Options]:
+            common = read_common(r)
+            prompt_text = r.body.get("prompt")
+            if isinstance(prompt_text, list) and len(prompt_text) == 1 and isinstance(prompt_text[0], str):
+                prompt_text = prompt_text[0]
+            if isinstance(prompt_text, list):
+                raise sdk.LocalmError(400, "prompt must be one string (a list of one string is accepted)")
+            if not isinstance(prompt_text, str):
+                r.errors.append({"key": "prompt", "message": "must be a string"})
+            r.get("echo", (bool,), "true or false", False)
+            return common, prompt_text, read_options(r, "completions")
+
         r = Reader(body)
-        common = read_common(r)
-        prompt_text = body.get("prompt")
-        if isinstance(prompt_text, list) and len(prompt_text) == 1 and isinstance(prompt_text[0], str):
-            prompt_text = prompt_text[0]
-        if isinstance(prompt_text, list):
-            raise sdk.LocalmError(400, "prompt must be one string (a list of one string is accepted)")
-        if not isinstance(prompt_text, str):
-            r.errors.append({"key": "prompt", "message": "must be a string"})
-        r.get("echo", (bool,), "true or false", False)
-        options = read_options(r, "completions")
+        common, prompt_text, options = read(r)
         r.done()
-        steering = await self._interventions(body, common)
-        headers = self._fields("completions", body, request_headers, steering)
+        chain = self._chain(route, common, request)
+        hooked, changed_by = await chain.inlet(self._hooked(body, extra, "completions", chain))
+        if changed_by:
+            common, prompt_text, options = self._reread(hooked, read, changed_by, common, chain)
+        steering = await self._interventions(hooked, common)
+        headers = self._fields("completions", body, request, request_headers, report, ignored, chain, steering)
+        self._check_stream(options, common, chain)
 
         def render(engine: Any) -> tuple[list[int], bool]:
             return engine.tokenize(prompt_text, add_special=options.add_special), False
 
-        return await self._prepare(common, options, render, headers, received, steering)
-
-    async def outlet(self, message: dict[str, Any], *, route: str = "chat.completions") -> tuple[dict[str, Any], bool]:
-        """Run the outlet hooks on a finished reply's message; returns it and whether a hook changed it."""
-        before = dict(message)
-        for _, changed in await self.host.run_hook("chat_outlet", response=message, context={"route": route}):
-            if isinstance(changed, dict):
-                message = changed
-        return message, message != before
+        return await self._prepare(common, options, render, headers, received, chain, steering)
 
     async def embed(self, model: str | None, texts: list[str]) -> tuple[Any, list[list[float]], int]:
         """The registry entry, one normalised vector per text, and the tokens they took."""
@@ -240,11 +349,52 @@ class ChatService:
             tokens = sum(len(resident.engine.tokenize(t)) for t in texts)
         return entry, vectors, tokens
 
-    async def count_tokens(self, body: dict[str, Any]) -> int:
-        """The prompt tokens a chat ``body`` would take (its messages, tools and template), loading
-        the model that would answer it."""
-        generation = await self.chat(body, route="count_tokens")
+    async def count_tokens(self, body: dict[str, Any], *, route: str = "anthropic.count_tokens",
+                           request: Any = None, extra: dict[str, Any] | None = None) -> int:
+        """The prompt tokens a chat ``body`` would take (its messages, tools and template, after
+        the chat_inlet hooks), loading the model that would answer it."""
+        generation = await self.chat(body, route=route, request=request, extra=extra)
         return len(generation.prompt)
+
+    # --- the steps of chat and complete -------------------------------------------------------
+    def _chain(self, route: str, common: Common, request: Any) -> hooks.Chain:
+        caller = sdk.caller(request) if request is not None else None
+        return hooks.Chain(self.host, route=route, streamed=common.stream, caller=caller)
+
+    @staticmethod
+    def _hooked(body: dict[str, Any], extra: dict[str, Any] | None, kind: str, chain: hooks.Chain) -> dict[str, Any]:
+        """The request the inlet hooks get: a copy of the body, with the client's fields the
+        surface did not read (those the chat readers would take for their own stay out)."""
+        if not chain.inlets:
+            return body
+        hooked = copy.deepcopy(body)
+        for key, value in (extra or {}).items():
+            if key not in hooked and key not in fields.USED[kind]:
+                hooked[key] = copy.deepcopy(value)
+        return hooked
+
+    @staticmethod
+    def _reread(hooked: dict[str, Any], read: Any, changed_by: list[str], before: Common,
+                chain: hooks.Chain) -> Any:
+        """Read the request as the inlet hooks left it, as the client's was read. A request
+        that cannot be read is the failure of the last plugin that changed it. ``stream``
+        stays what the client asked for: the surface has already chosen how to answer."""
+        try:
+            r = Reader(hooked)
+            out = read(r)
+            r.done()
+        except sdk.LocalmError as exc:
+            impl = next(impl for impl, _ in reversed(chain.inlets) if impl.plugin == changed_by[-1])
+            raise impl.failed(ValueError(f"chat_inlet returned a request that cannot be read: {exc.detail}")) \
+                from None
+        if out[0].model != before.model:
+            try:
+                chain.shared.host.models.resolve(out[0].model)
+            except sdk.LocalmError as exc:
+                raise sdk.LocalmError(exc.status, f"The {changed_by[-1]} plugin changed the model to "
+                                                  f"{out[0].model!r}: {exc.detail}", code=exc.code) from None
+        common = attrs.evolve(out[0], stream=before.stream, include_usage=before.include_usage)
+        return (common, *out[1:])
 
     async def _interventions(self, body: dict[str, Any], common: Common) -> Interventions:
         """Ask the forward_interventions hook for this request's steering (before any load)."""
@@ -252,7 +402,7 @@ class ChatService:
         try:
             entry = self.host.models.resolve(common.model)
         except sdk.LocalmError:
-            return collected  # an unknown model: refused as such once the fields are checked
+            return collected  # an unknown model: refused as such when the generation is prepared
         try:
             engine = self.host.models.engine_name(entry)
         except sdk.LocalmError:
@@ -262,15 +412,36 @@ class ChatService:
         return collected
 
     @staticmethod
-    def _fields(route: str, body: dict[str, Any], request_headers: Any, steering: Interventions) -> dict[str, str]:
-        if request_headers is None:
+    def _fields(kind: str, body: dict[str, Any], request: Any, request_headers: Any, report: bool | None,
+                ignored: list[str] | None, chain: hooks.Chain, steering: Interventions) -> dict[str, str]:
+        """Refuse what no one honours; the ignored-fields report's headers (maybe none)."""
+        headers = request_headers if request_headers is not None else getattr(request, "headers", None)
+        if report is None:
+            report = request_headers is not None
+        if not report or headers is None:
             return {}
-        return fields.check(route, body, request_headers, used=fields.USED[route] | steering.fields)
+        claims = chain.claims | steering.fields
+        if ignored is None:  # an OpenAI body, as the client sent it
+            used = fields.USED[kind] | claims
+            fields.refuse_not_honoured(kind, body, used)
+            unused = fields.unused(kind, body, used)
+        else:
+            unused = [where for where in ignored if not fields.claimed(where, claims)]
+        where = request.url.path if request is not None else fields.ROUTE_NAMES[kind]
+        return fields.report(unused, headers, where)
+
+    @staticmethod
+    def _check_stream(options: Options, common: Common, chain: hooks.Chain) -> None:
+        """Log probabilities spell the text the model wrote: a stream a plugin may rewrite has none."""
+        if options.logprobs is not None and common.stream and chain.streams:
+            names = ", ".join(dict.fromkeys(impl.plugin for impl, _ in chain.streams))
+            raise sdk.LocalmError(400, f"logprobs cannot be honoured on a streamed reply while a chat plugin "
+                                       f"rewrites the stream ({names}): ask for them without stream",
+                                  code="field_not_honoured", field="logprobs")
 
     async def _prepare(self, common: Common, options: Options, render: Any, headers: dict[str, str],
-                       received: float, steering: Interventions | None = None) -> Generation:
+                       received: float, chain: hooks.Chain, steering: Interventions) -> Generation:
         host = self.host
-        steering = steering or Interventions()
         entry = host.models.resolve(common.model)
         async with host.models.use(entry.id) as resident:
             engine = resident.engine
@@ -303,7 +474,11 @@ class ChatService:
         if options.fmt is not None or options.grammar is not None:
             label = options.fmt.label if options.fmt is not None else "grammar"
             headers.update({"X-Localm-Constrained": label, "X-miLLM-Constrained": label})
+        shared = chain.shared
+        headers.update(shared.headers)
+        shared.headers = headers  # from here a hook's header goes straight into the response's
+        shared.model = entry.id
         shown = common.model if common.model not in (None, "", "localm") else entry.id
         return Generation(host=host, entry=entry, prompt=prompt, fingerprint=fingerprint(entry, engine), plan=plan,
                           common=common, options=options, headers=headers, model=shown, received=received,
-                          reads=list(steering.reads))
+                          chain=chain, reads=list(steering.reads), extra=shared.fields)

@@ -183,20 +183,21 @@ def _call(call: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, Any], raw: bool, entry: Any,
-                  name: str, keep: float | None, stream: bool, ignored: list[str], received: float) -> Any:
+                  name: str, keep: float | None, stream: bool, ignored: list[str], extra: dict[str, Any],
+                  received: float) -> Any:
     chat = host.service("chat")
-    headers = translate.ignored_headers(ignored, request.headers, f"/api/{kind}")
     load_s = await _ensure_loaded(host, entry)
     ready = time.perf_counter()
+    body["stream"] = stream
     try:
-        if raw:
-            gen = await chat.complete(body, received=received)
-        else:
-            gen = await chat.chat(body, route=f"ollama.{kind}", received=received)
+        prepare = chat.complete if raw else chat.chat
+        gen = await prepare(body, route=f"ollama.{kind}", request=request, report=True, ignored=ignored, extra=extra,
+                            received=received)
     except BaseException:
         await _release(host, entry, keep)
         raise
-    headers = {**gen.headers, **headers}
+    entry = gen.entry  # a chat plugin may have changed the model
+    headers = gen.headers
     outcome = gen.outcome
     want_logprobs = "logprobs" in body
 
@@ -219,7 +220,8 @@ async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, An
         return obj
 
     def final(end: float, **parts: Any) -> dict[str, Any]:
-        return {**frame(**parts), "done": True,
+        """The last object: Ollama's counts, and the fields chat plugins added."""
+        return {**gen.extra, **frame(**parts), "done": True,
                 "done_reason": DONE_REASONS.get(outcome.finish_reason, outcome.finish_reason),
                 **_stats(outcome, received, load_s, ready, end)}
 
@@ -233,27 +235,20 @@ async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, An
         if outcome.finish_reason == "error":
             await _release(host, entry, keep)
             raise sdk.LocalmError(500, outcome.error or "generation failed")
-        text, thinking, calls = reply.text, "".join(reply.reasoning) or None, outcome.calls
-        logprobs = _logprobs(reply.logprobs) if want_logprobs else None
-        if not raw:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if thinking:
-                message["reasoning_content"] = thinking
-            if calls:
-                message["tool_calls"] = calls
-            message, rewritten = await chat.outlet(message, route=f"ollama.{kind}")
-            text, thinking = message.get("content") or "", message.get("reasoning_content") or None
-            calls = message.get("tool_calls") or []
-            if rewritten and logprobs is not None:
+        logprobs = None
+        if want_logprobs:
+            if reply.rewritten:
                 log.info("logprobs left out: a chat plugin rewrote the reply")
-                logprobs = None
+            else:
+                logprobs = _logprobs(reply.logprobs)
         await _release(host, entry, keep)
-        return sdk.Response(final(end, text=text, thinking=thinking,
-                                  calls=[_call(c, i) for i, c in enumerate(calls)], logprobs=logprobs),
+        return sdk.Response(final(end, text=reply.text, thinking="".join(reply.reasoning) or None,
+                                  calls=[_call(c, i) for i, c in enumerate(reply.calls)], logprobs=logprobs),
                             headers=headers)
 
     async def lines() -> AsyncIterator[bytes]:
         finished = False
+        calls = 0
         try:
             error = None
             try:
@@ -267,8 +262,8 @@ async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, An
                     elif isinstance(item, chat.Reasoning):
                         yield _line({**frame(thinking=item.text), "done": False})
                     elif isinstance(item, chat.Call):
-                        call = _call(item.call, outcome.calls.index(item.call))
-                        yield _line({**frame(calls=[call]), "done": False})
+                        yield _line({**frame(calls=[_call(item.call, calls)]), "done": False})
+                        calls += 1
             except sdk.LocalmError as exc:  # the stream is open: a refusal now travels in band
                 error = chat.redact(exc.detail)
             end = time.perf_counter()
@@ -297,7 +292,8 @@ async def chat_route(request: sdk.Request) -> Any:
         return await _load_form(host, entry, name, keep, stream, "chat")
     ignored: list[str] = []
     openai = translate.chat_body(body, entry, name, ignored)
-    return await _answer(request, host, "chat", openai, False, entry, name, keep, stream, ignored, received)
+    extra = translate.unread(body, translate.CHAT_FIELDS)
+    return await _answer(request, host, "chat", openai, False, entry, name, keep, stream, ignored, extra, received)
 
 
 @sdk.post("/api/generate", scope=None, access="inference", error_family="ollama", summary="Ollama generate")
@@ -313,7 +309,9 @@ async def generate_route(request: sdk.Request) -> Any:
         return await _load_form(host, entry, name, keep, stream, "generate")
     ignored: list[str] = []
     openai, raw = translate.generate_body(body, entry, name, ignored)
-    return await _answer(request, host, "generate", openai, raw, entry, name, keep, stream, ignored, received)
+    extra = translate.unread(body, translate.GENERATE_FIELDS)
+    return await _answer(request, host, "generate", openai, raw, entry, name, keep, stream, ignored, extra,
+                         received)
 
 
 # --- embeddings ----------------------------------------------------------------------------

@@ -56,6 +56,12 @@ def field(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str, de
     return value
 
 
+def unread(body: dict[str, Any], read: set[str]) -> dict[str, Any]:
+    """The client's top-level fields this surface does not read: the chat plugins see them
+    (and may claim them, which takes them off X-Localm-Ignored-Fields)."""
+    return {key: value for key, value in body.items() if key not in read}
+
+
 def present(value: Any) -> bool:
     """A value that asks for something (null, "", [] and {} ask for nothing)."""
     return value is not None and value != "" and value != [] and value != {}

@@ -110,7 +110,8 @@ async def create_response(request: sdk.Request) -> Any:
     origins = ["instructions"] * len(head) + ["previous_response_id"] * len(earlier) + parsed.origins
     chat = host.service("chat")
     try:
-        gen = await chat.chat({**parsed.body, "messages": messages}, route=ROUTE, received=received)
+        gen = await chat.chat({**parsed.body, "messages": messages}, route=ROUTE, request=request,
+                              extra=parsed.unread, received=received)
     except sdk.LocalmError as exc:
         raise _renamed(exc, origins) from None
 

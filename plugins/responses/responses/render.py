@@ -112,20 +112,12 @@ async def whole(chat: Any, gen: Any, reply: Reply, keep: Callable[[dict[str, Any
     marker = error_marker(outcome)
     if marker and text.endswith(marker):
         text = text[: -len(marker)]
-    calls = list(outcome.calls)
-    message: dict[str, Any] = {"role": "assistant", "content": None if calls and not text.strip() else text}
-    if got.reasoning:
-        message["reasoning_content"] = "".join(got.reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    message, rewritten = await chat.outlet(message, route=ROUTE)
-    text = message.get("content") or ""
-    calls = list(message.get("tool_calls") or [])
-    reasoning = message.get("reasoning_content") or ""
+    calls = got.calls
+    reasoning = "".join(got.reasoning)
     status = status_of(outcome)
     logprobs: list[dict[str, Any]] = []
     if reply.parsed.logprobs:
-        if rewritten:
+        if got.rewritten:
             log.info("logprobs left out: a chat plugin rewrote the reply")
         else:
             logprobs = [logprob(e) for e in got.logprobs]
@@ -138,7 +130,7 @@ async def whole(chat: Any, gen: Any, reply: Reply, keep: Callable[[dict[str, Any
     output.extend(_call(new_id("fc"), c, "completed") for c in calls)
     error = {"code": "server_error", "message": outcome.error} if status == "failed" else None
     stored = keep(assistant_turn(text, calls), status)
-    return reply.obj(status, output, outcome=outcome, store=stored, error=error)
+    return {**gen.extra, **reply.obj(status, output, outcome=outcome, store=stored, error=error)}
 
 
 class _Events:
@@ -240,6 +232,7 @@ async def events(chat: Any, gen: Any, reply: Reply, keep: Callable[[dict[str, An
     yield s.emit("response.created", response=reply.obj("in_progress", []))
     yield s.emit("response.in_progress", response=reply.obj("in_progress", []))
     text: list[str] = []
+    calls: list[dict[str, Any]] = []
     failure: str | None = None
     try:
         async for item in gen.items():
@@ -254,6 +247,7 @@ async def events(chat: Any, gen: Any, reply: Reply, keep: Callable[[dict[str, An
                 for chunk in s.reasoning_delta(item.text):
                     yield chunk
             elif isinstance(item, chat.Call):
+                calls.append(item.call)
                 for chunk in s.call(item.call):
                     yield chunk
     except sdk.LocalmError as exc:  # the stream is open: the refusal travels in response.failed
@@ -271,8 +265,8 @@ async def events(chat: Any, gen: Any, reply: Reply, keep: Callable[[dict[str, An
         for chunk in s.message() + s.close(item_status):
             yield chunk
     said = "".join(text)
-    stored = keep(assistant_turn("" if outcome.calls and not said.strip() else said, list(outcome.calls)), status)
+    stored = keep(assistant_turn("" if calls and not said.strip() else said, calls), status)
     error = {"code": "server_error", "message": failure} if failure is not None else None
-    final = reply.obj(status, s.output, outcome=outcome, store=stored, error=error)
+    final = {**gen.extra, **reply.obj(status, s.output, outcome=outcome, store=stored, error=error)}
     kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
     yield s.emit(kind, response=final)

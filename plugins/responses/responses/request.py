@@ -53,6 +53,8 @@ class Parsed:
     stream: bool
     logprobs: bool
     echo: dict[str, Any]  # the request fields the response object carries
+    #: the client's fields this surface does not know: the chat plugins see them in the request
+    unread: dict[str, Any] = attrs.Factory(dict)
 
 
 def _get(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
@@ -217,8 +219,10 @@ def parse(body: Any) -> Parsed:
         "user": body.get("user"),
     }
     chat["messages"] = messages
+    chat["stream"] = stream
     return Parsed(body=chat, instructions=instructions, input_messages=messages, origins=origins,
-                  previous_response_id=previous, store=store, stream=stream, logprobs=logprobs, echo=echo)
+                  previous_response_id=previous, store=store, stream=stream, logprobs=logprobs, echo=echo,
+                  unread={key: body[key] for key in unknown})
 
 
 # --- input items -> chat messages -------------------------------------------------------

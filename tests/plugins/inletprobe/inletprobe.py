@@ -17,6 +17,8 @@ async def routes_seen(request: sdk.Request) -> dict:
 @sdk.hookimpl
 def chat_inlet(request, context):
     seen.append(context.get("route", ""))
+    if "messages" not in request:
+        return None  # a text completion: its prompt goes to the model as written
     return {**request, "messages": [{"role": "system", "content": NOTE}, *request["messages"]]}
 
 

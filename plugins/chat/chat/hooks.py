@@ -1,0 +1,274 @@
+"""The chat hooks as the chat service runs them: the context each one receives, and the
+three chains (chat_inlet, chat_stream, chat_outlet) in which every implementation sees
+what the one before it returned.
+
+Implementations come from ``host.hooks(name)`` in the kernel's stable order (manifest
+``priority``, then plugin id); calling one fails closed (a raised exception refuses the
+request with a 500 naming the plugin, recorded in GET /api/plugins). A hook that returns
+something it may not is that plugin's failure too.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from localm import sdk
+
+from . import pipeline
+
+#: What ``context["key"]`` reads (the context was a dict holding ``route`` before it was an object).
+_KEYS = frozenset({"route", "surface", "streamed", "caller", "owner_tag", "plugin", "host", "request", "model",
+                   "state"})
+_EVENT_TYPES = {"text": ("text",), "reasoning": ("text",), "tool_call": ("call",), "status": ("code", "text")}
+
+
+def surface_of(route: str) -> str:
+    """The surface a route belongs to: openai, ollama, anthropic, responses (or the route's first word)."""
+    head = route.split(".", 1)[0]
+    return {"chat": "openai", "completions": "openai", "count_tokens": "anthropic"}.get(head, head)
+
+
+class _Shared:
+    """One request's state, shared by every plugin's view of the context."""
+
+    def __init__(self, host: Any, route: str, streamed: bool, caller: Any) -> None:
+        self.host = host
+        self.route = route
+        self.surface = surface_of(route)
+        self.streamed = streamed
+        self.caller = caller
+        self.request: dict[str, Any] = {}
+        self.model: str | None = None
+        self.claims: set[str] = set()
+        self.headers: dict[str, str] = {}
+        self.late_headers: dict[str, str] = {}  # added once a stream was open: sent as localm_headers
+        self.fields: dict[str, Any] = {}
+        self.statuses: list[pipeline.Status] = []
+        self.opened = False
+
+
+class ChatContext:
+    """What a chat hook receives as ``context``.
+
+    Read: ``route`` ("chat.completions", "completions", "ollama.chat", "ollama.generate",
+    "anthropic", "anthropic.count_tokens", "responses"), ``surface`` ("openai", "ollama",
+    "anthropic", "responses"), ``streamed``, ``caller`` (the ``sdk.Principal``), ``owner_tag``,
+    ``plugin`` (this plugin's context), ``host``, ``request`` (the request as the inlet hooks
+    left it), ``model`` (the id of the model that answers; None during the inlet) and
+    ``state`` (a dict this plugin keeps for this request, from its inlet to its outlet).
+
+    Do: ``use(*fields)`` claims request fields, ``header(name, value)`` adds a response header,
+    ``field(name, value)`` adds a field to the response body (a last chunk when streamed),
+    ``status(code, text)`` sends a status event on a streamed reply.
+    """
+
+    __slots__ = ("_shared", "plugin", "state")
+
+    def __init__(self, shared: _Shared, plugin: Any = None) -> None:
+        self._shared = shared
+        self.plugin = plugin
+        self.state: dict[str, Any] = {}
+
+    route = property(lambda self: self._shared.route)
+    surface = property(lambda self: self._shared.surface)
+    streamed = property(lambda self: self._shared.streamed)
+    caller = property(lambda self: self._shared.caller)
+    host = property(lambda self: self._shared.host)
+    request = property(lambda self: self._shared.request)
+    model = property(lambda self: self._shared.model)
+
+    @property
+    def owner_tag(self) -> str:
+        caller = self._shared.caller
+        return caller.owner_tag if caller is not None else "owner"
+
+    def use(self, *fields: str) -> None:
+        """Claim request fields this plugin reads: they are neither reported in
+        X-Localm-Ignored-Fields nor refused by X-Localm-Strict. A name covers what is nested
+        under it (``"options"`` covers ``options.num_ctx`` on the Ollama routes)."""
+        for name in fields:
+            if not isinstance(name, str) or not name:
+                raise TypeError("context.use takes field names (non-empty strings)")
+        self._shared.claims.update(fields)
+
+    def header(self, name: str, value: str) -> None:
+        """Add a response header. Once a streamed reply is open its headers are sent, so a
+        header added later (from chat_stream or chat_outlet) arrives in the stream's last
+        fields as ``localm_headers``."""
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError("context.header takes a name and a value, both strings")
+        shared = self._shared
+        (shared.late_headers if shared.opened else shared.headers)[name] = value
+
+    def field(self, name: str, value: Any) -> None:
+        """Add a field to the response: in the body of a whole reply, in one last chunk (the
+        final line, the message_delta event, the completed response) of a streamed one. It
+        must be JSON-serialisable; a name the surface already uses is left to the surface."""
+        if not isinstance(name, str) or not name:
+            raise TypeError("context.field takes a name (a non-empty string) and a value")
+        self._shared.fields[name] = value
+
+    def status(self, code: str, text: str) -> None:
+        """Send a status event (``status_code`` and ``status`` on the OpenAI routes) in a
+        streamed reply; from chat_inlet it is sent as the stream opens."""
+        if not isinstance(code, str) or not isinstance(text, str):
+            raise TypeError("context.status takes a code and a text, both strings")
+        self._shared.statuses.append(pipeline.Status(code, text))
+
+    # the context was a dict with "route" once: context["route"] and context.get("route") still read
+    def __getitem__(self, key: str) -> Any:
+        if key not in _KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in _KEYS else default
+
+    def __contains__(self, key: object) -> bool:
+        return key in _KEYS
+
+    def __repr__(self) -> str:
+        return f"<ChatContext {self.route} for {getattr(self.plugin, 'name', None)}>"
+
+
+def _refused(impl: Any, message: str) -> sdk.LocalmError:
+    """A hook that returned what it may not: that plugin's failure, recorded and answered as one."""
+    return impl.failed(TypeError(message))
+
+
+def _describe(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+class Chain:
+    """One request's chat hooks: each implementation with its plugin's view of the context."""
+
+    def __init__(self, host: Any, *, route: str, streamed: bool, caller: Any) -> None:
+        self.shared = _Shared(host, route, streamed, caller)
+        self.context = ChatContext(self.shared)
+        views: dict[str, ChatContext] = {}
+
+        def bind(hook: str) -> list[tuple[Any, ChatContext]]:
+            out = []
+            for impl in host.hooks(hook):
+                view = views.get(impl.plugin)
+                if view is None:
+                    view = views[impl.plugin] = ChatContext(self.shared, impl.context)
+                out.append((impl, view))
+            return out
+
+        self.inlets = bind("chat_inlet")
+        self.streams = bind("chat_stream")
+        self.outlets = bind("chat_outlet")
+
+    @property
+    def claims(self) -> set[str]:
+        return self.shared.claims
+
+    # --- inlet ------------------------------------------------------------------------
+    async def inlet(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """Run the inlet hooks on ``request`` (a copy the hooks may change); returns the
+        request they leave and the plugins that changed it, in order."""
+        changed_by: list[str] = []
+        for impl, context in self.inlets:
+            before = copy.deepcopy(request)
+            self.shared.request = request
+            out = await impl(request=request, context=context)
+            if out is not None:
+                if not isinstance(out, dict):
+                    raise _refused(impl, f"chat_inlet returned {_describe(out)}; it returns a dict or None")
+                request = out
+            if request != before:
+                changed_by.append(impl.plugin)
+        self.shared.request = request
+        return request, changed_by
+
+    # --- stream -----------------------------------------------------------------------
+    async def stream(self, item: Any) -> list[Any]:
+        """One streamed item through the stream hooks: the items to send instead (maybe none)."""
+        events = [to_event(item)]
+        for impl, context in self.streams:
+            out: list[dict[str, Any]] = []
+            for event in events:
+                result = await impl(event=event, context=context)
+                if result is None:
+                    out.append(event)
+                elif isinstance(result, dict):
+                    out.append(_checked(impl, result))
+                elif isinstance(result, list):
+                    out.extend(_checked(impl, e) for e in result)
+                else:
+                    raise _refused(impl, f"chat_stream returned {_describe(result)}; it returns a dict, a list of "
+                                         "dicts or None")
+            events = out
+            if not events:
+                return []
+        return [to_item(e) for e in events]
+
+    # --- outlet -----------------------------------------------------------------------
+    async def outlet(self, message: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Run the outlet hooks on a finished reply's message; returns the message they leave
+        and whether it differs from the one generated."""
+        if not self.outlets:
+            return message, False
+        original = copy.deepcopy(message)
+        for impl, context in self.outlets:
+            out = await impl(response=message, context=context)
+            if out is not None:
+                if not isinstance(out, dict):
+                    raise _refused(impl, f"chat_outlet returned {_describe(out)}; it returns a dict or None")
+                message = out
+            problem = _message_problem(message)
+            if problem:
+                raise _refused(impl, f"chat_outlet left a message whose {problem}")
+        return message, message != original
+
+    def statuses(self) -> list[pipeline.Status]:
+        """Status events the hooks asked for since the last call."""
+        out, self.shared.statuses = self.shared.statuses, []
+        return out
+
+
+def to_event(item: Any) -> dict[str, Any]:
+    if isinstance(item, pipeline.Piece):
+        return {"type": "text", "text": item.text}
+    if isinstance(item, pipeline.Reasoning):
+        return {"type": "reasoning", "text": item.text}
+    if isinstance(item, pipeline.Call):
+        return {"type": "tool_call", "call": copy.deepcopy(item.call)}
+    return {"type": "status", "code": item.code, "text": item.text}
+
+
+def to_item(event: dict[str, Any]) -> Any:
+    kind = event["type"]
+    if kind == "text":
+        return pipeline.Piece(event["text"])
+    if kind == "reasoning":
+        return pipeline.Reasoning(event["text"])
+    if kind == "tool_call":
+        return pipeline.Call(event["call"])
+    return pipeline.Status(event["code"], event["text"])
+
+
+def _checked(impl: Any, event: Any) -> dict[str, Any]:
+    if not isinstance(event, dict) or event.get("type") not in _EVENT_TYPES:
+        raise _refused(impl, f"chat_stream returned an event that is not one of "
+                             f"{', '.join(_EVENT_TYPES)}: {_describe(event)}")
+    for key in _EVENT_TYPES[event["type"]]:
+        wanted = dict if key == "call" else str
+        if not isinstance(event.get(key), wanted):
+            raise _refused(impl, f"chat_stream returned a {event['type']} event whose {key} is not a "
+                                 f"{wanted.__name__}")
+    return event
+
+
+def _message_problem(message: dict[str, Any]) -> str | None:
+    if not isinstance(message.get("content", ""), (str, type(None))):
+        return "content is not a string"
+    if not isinstance(message.get("reasoning_content", ""), (str, type(None))):
+        return "reasoning_content is not a string"
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+        return "tool_calls is not a list of calls"
+    return None
