@@ -8,6 +8,7 @@ strictly (``"1"`` is not an integer, ``1`` is not a boolean) with a cattrs conve
 
 from __future__ import annotations
 
+import types
 import typing
 from typing import Any
 
@@ -52,8 +53,13 @@ class FieldSpec:
         out: dict[str, Any] = {"key": self.key, "type": type_name(self.type), "default": self.default,
                                "description": self.description, "label": self.label or self.key,
                                "owner_only": self.owner_only}
-        if self.choices is not None:
-            out["choices"] = list(self.choices)
+        choices = self.choices
+        if typing.get_origin(self.type) is typing.Literal:  # a Literal is its values' type, with choices
+            values = typing.get_args(self.type)
+            out["type"] = type_name(type(values[0])) if len({type(v) for v in values}) == 1 else "string or number"
+            choices = values if choices is None else choices
+        if choices is not None:
+            out["choices"] = list(choices)
         if self.min is not None:
             out["min"] = self.min
         if self.max is not None:
@@ -66,7 +72,7 @@ class FieldSpec:
         """Return the value converted to the field's type, or raise a 400 naming the field."""
         try:
             out = strict.structure(value, self.type)
-        except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        except Exception as exc:  # cattrs' own errors, and the strict hooks' ValueError
             raise LocalmError(400, f"Invalid value for {self.key}: expected {type_name(self.type)}, "
                                    f"got {_describe(value)}") from exc
         if self.choices is not None and out not in self.choices:
@@ -79,13 +85,41 @@ class FieldSpec:
         return out
 
 
+_SCALARS = (str, int, float, bool)
+
+
+def supported(tp: Any) -> bool:
+    """The types a setting may have: str, int, float, bool, a Literal of strings or numbers,
+    list (of any of those), dict (a JSON object; dict[str, T] checks its values), and any
+    of these ``| None``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in _SCALARS or tp in (list, dict):
+        return True
+    if origin is typing.Literal:
+        return all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in args)
+    if origin is list:
+        return len(args) == 1 and (args[0] is Any or args[0] in _SCALARS or supported(args[0]))
+    if origin is dict:
+        return len(args) == 2 and args[0] is str and (args[1] is Any or supported(args[1]))
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return len(rest) == 1 and type(None) in args and supported(rest[0])
+    return False
+
+
 def fields_of(cls: type) -> list[FieldSpec]:
-    """The FieldSpecs of an attrs settings class."""
+    """The FieldSpecs of an attrs settings class (a field of a type no setting can have is a
+    TypeError naming it)."""
     if not attrs.has(cls):
         raise TypeError(f"{cls!r} is not an attrs class")
     hints = typing.get_type_hints(cls)
     out = []
     for f in attrs.fields(cls):
+        tp = hints.get(f.name, f.type)
+        if not supported(tp):
+            spelled = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+            raise TypeError(f"setting {cls.__name__}.{f.name}: {spelled} is not a setting type (use str, int, "
+                            "float, bool, a Literal, list[...], dict[str, ...], or one of them | None)")
         meta = f.metadata.get("localm", {})
         if isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
             default = f.default.factory()  # type: ignore[union-attr]
@@ -93,7 +127,7 @@ def fields_of(cls: type) -> list[FieldSpec]:
             raise TypeError(f"setting {cls.__name__}.{f.name} needs a default")
         else:
             default = f.default
-        out.append(FieldSpec(key=f.name, type=hints.get(f.name, f.type), default=default,
+        out.append(FieldSpec(key=f.name, type=tp, default=default,
                              description=meta.get("description", ""), label=meta.get("label"),
                              owner_only=meta.get("owner_only", False),
                              choices=tuple(meta["choices"]) if meta.get("choices") is not None else None,
@@ -103,6 +137,8 @@ def fields_of(cls: type) -> list[FieldSpec]:
 
 def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
     if tp is bool:
         return "boolean"
     if tp is int:
@@ -114,6 +150,8 @@ def type_name(tp: Any) -> str:
     if origin in (list, tuple, typing.Sequence) or tp in (list, tuple):
         args = typing.get_args(tp)
         return f"array of {type_name(args[0])}" if args else "array"
+    if origin is dict and len(typing.get_args(tp)) == 2 and typing.get_args(tp)[1] is not Any:
+        return f"object of {type_name(typing.get_args(tp)[1])}"
     if origin is dict or tp is dict:
         return "object"
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
@@ -172,10 +210,15 @@ def make_strict_converter() -> cattrs.Converter:
     conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is list or t is list, _list_hook)
 
     def _dict_hook(tp: Any) -> Any:
+        args = typing.get_args(tp)
+        value_type = args[1] if len(args) == 2 else Any
+
         def structure(v: Any, _: Any) -> dict[str, Any]:
-            if not isinstance(v, dict):
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
                 raise ValueError("expected an object")
-            return dict(v)
+            if value_type is Any:
+                return dict(v)
+            return {k: conv.structure(x, value_type) for k, x in v.items()}
         return structure
 
     conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is dict or t is dict, _dict_hook)
