@@ -136,3 +136,30 @@ def test_install_deps_beside_a_server_bound_beyond_loopback(server: Any) -> None
     assert out.returncode == 0, out.stderr
     assert "installing here" in out.stdout and "It is active." in out.stdout
     assert s.owner().get("/hello/ada").json()["greeting"] == "Hello, ada!"
+
+
+def test_a_plugin_command_calls_the_running_server_through_the_sdk(tmp_path: Path) -> None:
+    d = tmp_path / "data"
+    assert cli(d, "plugin", "install", "jobber").returncode == 0
+    out = cli(d, "jobber-run", "2")  # no server yet: a clean error, not a traceback
+    assert out.returncode == 1
+    assert out.stderr == f"Error: No localm server is running on {d}: start one with `localm serve`\n"
+    server = LocalmServer(d, env=STORE_ENV).start()
+    try:
+        out = server.cli("jobber-run", "2")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "step 1\nstep 2\nresult: {'steps': 2}\n"
+    finally:
+        server.stop()
+
+
+def test_installing_a_plugin_that_fails_to_start_exits_nonzero(tmp_path: Path) -> None:
+    from conftest import TEST_STORE
+
+    server = LocalmServer(tmp_path / "data", env=STORE_ENV).start()
+    try:
+        out = server.cli("plugin", "install", str(TEST_STORE / "failstart"))
+        assert out.returncode == 1 and out.stdout == "Installed failstart.\n"
+        assert out.stderr == "Error: failstart failed to start: RuntimeError: cannot reach its backend\n"
+    finally:
+        server.stop()

@@ -38,3 +38,22 @@ async def start(request: sdk.Request) -> dict:
 @sdk.hookimpl
 def register_routes(register):
     register(start)
+
+
+@sdk.hookimpl
+def register_commands(register):
+    import click
+
+    @click.command("jobber-run")
+    @click.argument("steps", type=int)
+    def run_command(steps: int) -> None:
+        """Start a counting job on the running server and follow it."""
+        server = sdk.connect()
+        job_id = server.call("POST", "/jobber/start", json={"steps": steps, "delay": 0.01})["job_id"]
+        for event in server.events(f"/api/jobs/{job_id}/events"):
+            if event["type"] == "log":
+                click.echo(event["line"])
+            elif event["type"] == "end":
+                click.echo(f"result: {event['result']}")
+
+    register(run_command)
