@@ -92,7 +92,7 @@ class LocalmGroup(click.Group):
             host.pm.register(module, name=p.name)
             commands: list[Any] = []
             host.call_sync("register_settings", p, register=lambda cls: host._declare(p, cls), host=None)
-            host.call_sync("register_commands", p, register=commands.append, host=None)
+            host.call_sync("register_commands", p, register=lambda *more: commands.extend(more), host=None)
         except Exception as exc:
             return _unavailable(cmd_name, f"plugin {p.name} failed to load: {exc.__class__.__name__}: {exc}")
         for command in commands:

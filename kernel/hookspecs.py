@@ -76,11 +76,12 @@ def register_scopes(register: Any, plugin: Any, host: Any) -> None:
 
 @hookspec
 def register_commands(register: Any, plugin: Any, host: Any) -> None:
-    """Add CLI commands: ``register(click_command)``.
+    """Add CLI commands: ``register(click_command, ...)``.
 
     Each command's name must be listed under ``commands`` in plugin.toml: the CLI imports
     the plugin only when one of its commands runs (or ``localm --help`` describes it).
-    Called only by the CLI.
+    Called only by the CLI, where ``host`` is None; ``localm.sdk.connect()`` reaches the
+    running server.
     """
 
 
