@@ -240,12 +240,12 @@ def _after_change(obj: Ctx, name: str) -> None:
         return
     if p["missing_deps"]:
         click.echo(f"It needs: {', '.join(p['missing_deps'])}. Run `localm plugin install-deps {name}`.")
-    elif p.get("error"):
+    elif p.get("error") and not p["active"]:
         fail(f"{name} failed to start: {p['error']}")
     elif not obj.server:
         click.echo("It starts with the next `localm serve`.")
     elif p["active"]:
-        click.echo("It is active.")
+        click.echo("It is active." + (f" Its last error: {p['error']}" if p.get("error") else ""))
 
 
 @plugin.command("uninstall")

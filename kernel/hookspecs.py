@@ -118,7 +118,8 @@ def register_model_providers(register: Any, host: Any, plugin: Any) -> None:
 
 @hookspec
 def chat_inlet(request: Any, context: Any, plugin: Any, host: Any) -> Any:
-    """Called once per request, after its fields are checked and before its model loads.
+    """Called once per request, after its fields are read (a field of the wrong type is
+    refused first) and before its model loads.
 
     ``request`` is the whole request as an OpenAI body (other surfaces translate theirs):
     ``messages`` on chat routes, ``prompt`` on text completions (``/v1/completions``,

@@ -74,7 +74,7 @@ class FieldSpec:
             out = strict.structure(value, self.type)
         except Exception as exc:  # cattrs' own errors, and the strict hooks' ValueError
             raise LocalmError(400, f"Invalid value for {self.key}: expected {type_name(self.type)}, "
-                                   f"got {_describe(value)}") from exc
+                                   f"got {_describe(value, self.type)}") from exc
         if self.choices is not None and out not in self.choices:
             raise LocalmError(400, f"Invalid value for {self.key}: expected one of "
                                    f"{', '.join(map(repr, self.choices))}")
@@ -160,11 +160,32 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _describe(value: Any) -> str:
+def _describe(value: Any, tp: Any = None) -> str:
+    """What a refused value is, in the words of the JSON it came as: the value itself where
+    it was of the right kind but not allowed, the first wrong item of an array or object."""
     if value is None:
         return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
             list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+    if typing.get_origin(tp) is typing.Literal and isinstance(value, (str, int, float)):
+        return repr(value)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    origin = typing.get_origin(tp) or tp
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _describe(value, args[0])
+    if origin is list and isinstance(value, list) and args:
+        for i, item in enumerate(value):
+            try:
+                strict.structure(item, args[0])
+            except Exception:
+                return f"an array whose item {i} is {_describe(item, args[0])}"
+    if origin is dict and isinstance(value, dict) and len(args) == 2:
+        for key, item in value.items():
+            try:
+                strict.structure(item, args[1])
+            except Exception:
+                return f"an object whose {key!r} is {_describe(item, args[1])}"
+    return kind
 
 
 def make_strict_converter() -> cattrs.Converter:

@@ -63,3 +63,15 @@ def test_a_type_no_setting_can_have_is_refused_when_declared(annotation: object)
     Bad = attrs.make_class("Bad", {"value": attrs.field(default=None, type=annotation)})
     with pytest.raises(TypeError, match="is not a setting type"):
         fields_of(Bad)
+
+
+@pytest.mark.parametrize("key, bad, said", [
+    ("mode", "slow", "expected one of 'fast', 'exact', got 'slow'"),
+    ("words", ["a", 2], "expected array of string, got an array whose item 1 is an integer"),
+    ("limits", {"a": 1, "b": "2"}, "expected object of integer, got an object whose 'b' is a string"),
+    ("note", 3, "expected string or null, got an integer"),
+])
+def test_a_refusal_says_what_was_wrong(key: str, bad: object, said: str) -> None:
+    with pytest.raises(LocalmError) as caught:
+        SPECS[key].check(bad)
+    assert caught.value.detail == f"Invalid value for {key}: {said}"
