@@ -328,6 +328,20 @@ def test_a_stream_hook_that_raises_ends_the_stream_in_band(server: Any, clients:
     assert "hookfail" in lines[-1]["error"]
 
 
+def test_a_hook_that_returns_what_it_may_not_fails_closed(server: Any, clients: dict[str, Any]) -> None:
+    ask_body = {"model": MODEL, "messages": [{"role": "user", "content": HI}], "max_tokens": 4}
+    with pytest.raises(openai.InternalServerError, match="hookfail"):
+        clients["openai"].chat.completions.create(**ask_body, extra_body={"break_request": True})
+    assert plugin_state(server, "hookfail")["error"] == (
+        "chat_inlet hook failed: ValueError: chat_inlet returned a request that cannot be read: messages: must be "
+        "a non-empty list of messages.")
+    chunks = list(clients["openai"].chat.completions.create(**ask_body, stream=True,
+                                                            extra_body={"bad_event": True}))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "error"
+    assert plugin_state(server, "hookfail")["error"] == (
+        "chat_stream hook failed: TypeError: chat_stream returned str; it returns a dict, a list of dicts or None")
+
+
 def test_disabling_a_plugin_takes_its_hooks_away(server: Any, clients: dict[str, Any]) -> None:
     assert server.cli("plugin", "disable", "stamp").returncode == 0
     try:

@@ -132,6 +132,10 @@ class ChatContext:
         return f"<ChatContext {self.route} for {getattr(self.plugin, 'name', None)}>"
 
 
+class Unreadable(Exception):
+    """A request an inlet hook returned that the chat readers cannot read (the reason)."""
+
+
 def _refused(impl: Any, message: str) -> sdk.LocalmError:
     """A hook that returned what it may not: that plugin's failure, recorded and answered as one."""
     return impl.failed(TypeError(message))
@@ -167,10 +171,13 @@ class Chain:
         return self.shared.claims
 
     # --- inlet ------------------------------------------------------------------------
-    async def inlet(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        """Run the inlet hooks on ``request`` (a copy the hooks may change); returns the
-        request they leave and the plugins that changed it, in order."""
+    async def inlet(self, request: dict[str, Any], check: Any = None) -> tuple[dict[str, Any], list[str], Any]:
+        """Run the inlet hooks on ``request`` (a copy the hooks may change). After each hook
+        that changed it, ``check(request, plugin)`` reads it again; a request it cannot read
+        (it raises Unreadable) is that hook's failure. Returns the request the hooks leave,
+        the plugins that changed it, in order, and what the last ``check`` returned."""
         changed_by: list[str] = []
+        checked = None
         for impl, context in self.inlets:
             before = copy.deepcopy(request)
             self.shared.request = request
@@ -181,8 +188,14 @@ class Chain:
                 request = out
             if request != before:
                 changed_by.append(impl.plugin)
+                if check is not None:
+                    try:
+                        checked = check(request, impl.plugin)
+                    except Unreadable as exc:
+                        raise impl.failed(ValueError(f"chat_inlet returned a request that cannot be read: {exc}")) \
+                            from None
         self.shared.request = request
-        return request, changed_by
+        return request, changed_by, checked
 
     # --- stream -----------------------------------------------------------------------
     async def stream(self, item: Any) -> list[Any]:

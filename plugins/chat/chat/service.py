@@ -286,16 +286,9 @@ class ChatService:
         def read(r: Reader) -> tuple[Common, list[dict[str, Any]], Options]:
             return read_common(r), read_messages(r), read_options(r, "chat")
 
-        r = Reader(body)
-        common, messages, options = read(r)
-        r.done()
-        chain = self._chain(route, common, request)
-        hooked, changed_by = await chain.inlet(self._hooked(body, extra, "chat", chain))
-        if changed_by:
-            common, messages, options = self._reread(hooked, read, changed_by, common, chain)
-        steering = await self._interventions(hooked, common)
-        headers = self._fields("chat", body, request, request_headers, report, ignored, chain, steering)
-        self._check_stream(options, common, chain)
+        (common, messages, options), chain, steering, headers = await self._admit(
+            "chat", body, read, route=route, request=request, report=report, ignored=ignored, extra=extra,
+            request_headers=request_headers)
 
         def render(engine: Any) -> tuple[list[int], bool]:
             return chat_tokens(engine, messages, tools=options.tools, thinking=options.thinking)
@@ -325,16 +318,9 @@ class ChatService:
             r.get("echo", (bool,), "true or false", False)
             return common, prompt_text, read_options(r, "completions")
 
-        r = Reader(body)
-        common, prompt_text, options = read(r)
-        r.done()
-        chain = self._chain(route, common, request)
-        hooked, changed_by = await chain.inlet(self._hooked(body, extra, "completions", chain))
-        if changed_by:
-            common, prompt_text, options = self._reread(hooked, read, changed_by, common, chain)
-        steering = await self._interventions(hooked, common)
-        headers = self._fields("completions", body, request, request_headers, report, ignored, chain, steering)
-        self._check_stream(options, common, chain)
+        (common, prompt_text, options), chain, steering, headers = await self._admit(
+            "completions", body, read, route=route, request=request, report=report, ignored=ignored, extra=extra,
+            request_headers=request_headers)
 
         def render(engine: Any) -> tuple[list[int], bool]:
             return engine.tokenize(prompt_text, add_special=options.add_special), False
@@ -357,9 +343,28 @@ class ChatService:
         return len(generation.prompt)
 
     # --- the steps of chat and complete -------------------------------------------------------
-    def _chain(self, route: str, common: Common, request: Any) -> hooks.Chain:
+    async def _admit(self, kind: str, body: dict[str, Any], read: Any, *, route: str, request: Any,
+                     report: bool | None, ignored: list[str] | None, extra: dict[str, Any] | None,
+                     request_headers: Any) -> tuple[Any, hooks.Chain, Interventions, dict[str, str]]:
+        """Read the client's request (``read`` returns common fields first, options last), run
+        the inlet hooks and read what they left, ask for steering, then check the fields
+        against what was claimed: (what ``read`` returned, the hooks, the steering, headers)."""
+        r = Reader(body)
+        parsed = read(r)
+        r.done()
         caller = sdk.caller(request) if request is not None else None
-        return hooks.Chain(self.host, route=route, streamed=common.stream, caller=caller)
+        chain = hooks.Chain(self.host, route=route, streamed=parsed[0].stream, caller=caller)
+
+        def check(hooked: dict[str, Any], plugin: str) -> Any:
+            return self._reread(hooked, read, plugin, parsed[0])
+
+        hooked, changed_by, checked = await chain.inlet(self._hooked(body, extra, kind, chain), check)
+        if changed_by:
+            parsed = checked
+        steering = await self._interventions(hooked, parsed[0])
+        headers = self._fields(kind, body, request, request_headers, report, ignored, chain, steering)
+        self._check_stream(parsed[-1], parsed[0], chain)
+        return parsed, chain, steering, headers
 
     @staticmethod
     def _hooked(body: dict[str, Any], extra: dict[str, Any] | None, kind: str, chain: hooks.Chain) -> dict[str, Any]:
@@ -373,26 +378,24 @@ class ChatService:
                 hooked[key] = copy.deepcopy(value)
         return hooked
 
-    @staticmethod
-    def _reread(hooked: dict[str, Any], read: Any, changed_by: list[str], before: Common,
-                chain: hooks.Chain) -> Any:
-        """Read the request as the inlet hooks left it, as the client's was read. A request
-        that cannot be read is the failure of the last plugin that changed it. ``stream``
-        stays what the client asked for: the surface has already chosen how to answer."""
+    def _reread(self, hooked: dict[str, Any], read: Any, plugin: str, before: Common) -> Any:
+        """Read a request an inlet hook changed, as the client's was read (raising
+        hooks.Unreadable with the reason when it cannot be). A model it names must be
+        registered. ``stream`` stays what the client asked for: the surface has already
+        chosen how to answer."""
         try:
             r = Reader(hooked)
             out = read(r)
             r.done()
-        except sdk.LocalmError as exc:
-            impl = next(impl for impl, _ in reversed(chain.inlets) if impl.plugin == changed_by[-1])
-            raise impl.failed(ValueError(f"chat_inlet returned a request that cannot be read: {exc.detail}")) \
-                from None
+        except Exception as exc:  # a refusal of the reader, or a value it could not handle at all
+            raise hooks.Unreadable(exc.detail if isinstance(exc, sdk.LocalmError)
+                                   else f"{type(exc).__name__}: {exc}") from None
         if out[0].model != before.model:
             try:
-                chain.shared.host.models.resolve(out[0].model)
+                self.host.models.resolve(out[0].model)
             except sdk.LocalmError as exc:
-                raise sdk.LocalmError(exc.status, f"The {changed_by[-1]} plugin changed the model to "
-                                                  f"{out[0].model!r}: {exc.detail}", code=exc.code) from None
+                raise sdk.LocalmError(exc.status, f"The {plugin} plugin changed the model to {out[0].model!r}: "
+                                                  f"{exc.detail}", code=exc.code) from None
         common = attrs.evolve(out[0], stream=before.stream, include_usage=before.include_usage)
         return (common, *out[1:])
 
