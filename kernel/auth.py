@@ -89,6 +89,10 @@ class Principal:
     name: str | None = None
     via_cookie: bool = False
     session_id: str | None = None
+    #: a scoped key's folders RAG indexing is confined to (empty: not confined)
+    rag_roots: tuple[str, ...] = ()
+    #: a scoped key's host filesystem reach: "none" or "host"
+    fs_access: str = "none"
 
     @property
     def is_owner(self) -> bool:
@@ -266,7 +270,8 @@ class KeyStore:
                     raise LocalmError(401, "API key expired", headers={"WWW-Authenticate": "Bearer"})
                 self._last_used[r.id] = time.time()
                 self._unsaved.add(r.id)
-                return Principal(kind="key", scopes=frozenset(r.scopes), key_id=r.id, name=r.name)
+                return Principal(kind="key", scopes=frozenset(r.scopes), key_id=r.id, name=r.name,
+                                 rag_roots=r.rag_roots, fs_access=r.fs_access)
         return None
 
     def principal_for_key_id(self, key_id: str) -> Principal | None:
@@ -281,7 +286,8 @@ class KeyStore:
             return None
         for r in records:
             if r.id == key_id and not r.expired():
-                return Principal(kind="key", scopes=frozenset(r.scopes), key_id=r.id, name=r.name)
+                return Principal(kind="key", scopes=frozenset(r.scopes), key_id=r.id, name=r.name,
+                                 rag_roots=r.rag_roots, fs_access=r.fs_access)
         return None
 
 

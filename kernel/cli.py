@@ -105,6 +105,9 @@ class LocalmGroup(click.Group):
 def _guarded(command: click.Command) -> click.Command:
     """A plugin's command whose refusals (a LocalmError, the server's ServerError) print as
     ``Error: ...`` with exit status 1, as the builtin commands' do."""
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _guarded(sub)
     callback = command.callback
     if callback is None or getattr(callback, "_localm_guarded", False):
         return command

@@ -8,8 +8,10 @@ server's attach token: the owner's credential from loopback), ``version`` and ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -75,16 +77,59 @@ class ServerClient:
                     yield json.loads(line[6:])
 
 
+def _folder(data_dir: str | Path | None) -> Path:
+    if data_dir is None:
+        ctx = click.get_current_context(silent=True)
+        data_dir = getattr(ctx.find_root().obj, "data_dir", None) if ctx is not None else None
+    return Path(data_dir) if data_dir is not None else default_data_dir()
+
+
 def connect(data_dir: str | Path | None = None) -> ServerClient:
     """The server running on ``data_dir``, for a command to call. By default the data directory
     the ``localm`` command was given (``--data-dir``, else ``LOCALM_HOME``, else ``~/.localm``).
     Raises a 503 ``server_not_running`` LocalmError when no server runs there."""
-    if data_dir is None:
-        ctx = click.get_current_context(silent=True)
-        data_dir = getattr(ctx.find_root().obj, "data_dir", None) if ctx is not None else None
-    folder = Path(data_dir) if data_dir is not None else default_data_dir()
+    folder = _folder(data_dir)
     client = ServerClient.find(folder)
     if client is None:
         raise LocalmError(503, f"No localm server is running on {folder}: start one with `localm serve`",
                           code="server_not_running")
     return client
+
+
+@contextlib.contextmanager
+def server(data_dir: str | Path | None = None, *, timeout: float = 120.0) -> Iterator[ServerClient]:
+    """A client of the server running on ``data_dir``; when none runs, of one started in this
+    process for the ``with`` block (every enabled plugin, on a free loopback port, announced to
+    no one) and stopped after it. A command works the same with or without ``localm serve``."""
+    folder = _folder(data_dir)
+    found = ServerClient.find(folder)
+    if found is not None:
+        yield found
+        return
+    import uvicorn
+
+    from .runtime import Kernel
+    from .server import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0, bump=False)
+    port = sock.getsockname()[1]
+    kernel = Kernel(folder, port=port)
+    ready = threading.Event()
+    kernel.on_ready = ready.set
+    config = uvicorn.Config(kernel.asgi, lifespan="on", log_level="warning", access_log=False, log_config=None,
+                            server_header=False)
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [sock]}, name="localm-local-server", daemon=True)
+    thread.start()
+    try:
+        while not ready.wait(0.1):
+            if not thread.is_alive():
+                raise LocalmError(500, f"A local server could not start on {folder}", code="server_failed")
+            timeout -= 0.1
+            if timeout <= 0:
+                raise LocalmError(504, f"A local server on {folder} did not start in time", code="server_failed")
+        yield ServerClient(f"http://127.0.0.1:{port}", kernel.attach_token)
+    finally:
+        running.should_exit = True
+        thread.join(60)
+        sock.close()

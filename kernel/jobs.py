@@ -106,12 +106,14 @@ class JobContext:
     def log(self, line: str) -> None:
         self._call(lambda: self._job._emit("log", line=line))
 
-    def progress(self, fraction: float | None, message: str | None = None) -> None:
+    def progress(self, fraction: float | None, message: str | None = None, **detail: Any) -> None:
+        """Report how far the job is (0..1, None when it cannot tell) and what it is doing;
+        ``detail`` (JSON values: a file name, items done and total...) rides on the event."""
         def apply() -> None:
             self._job.progress = None if fraction is None else max(0.0, min(1.0, float(fraction)))
             if message is not None:
                 self._job.message = message
-            self._job._emit("progress", progress=self._job.progress, message=message)
+            self._job._emit("progress", **detail, progress=self._job.progress, message=message)
         self._call(apply)
 
 

