@@ -422,7 +422,7 @@ class Knowledge:
             query_words = search.terms(query) + (search.terms(context) if context_used else [])
             candidates = [c for c in candidates
                           if (c.vector is not None and c.vector >= floor)
-                          or search.lexically_relevant(query_words, rows[c.id].text)]
+                          or search.lexically_relevant(query_words, _embed_text(rows[c.id]))]
         reranked, rerank_model, note = False, None, None
         wanted = self.settings.get("rerank", False) if rerank is None else rerank
         if wanted and candidates:
