@@ -34,6 +34,10 @@ interventions) always see the unmodified model. That is how embeddings and scori
 unsteered, even while a steered generation runs on the same engine. Only an engine whose
 capabilities say ``interventions=True`` accepts them; any other ends such a request with
 ``Finished(reason="error")``.
+
+A model registered as a reranker is loaded as a cross-encoder: its engine says
+``capabilities.rerank`` and scores (query, document) pairs with ``rerank`` (see
+:class:`Engine` and :class:`Ranked`); it does not generate.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class Capabilities:
     #: What the weights compute in, and the quantization they came from ("unrecorded" when not known).
     dtype: str | None = None
     quantization: str | None = None
+    #: A reranker (a cross-encoder with a classifier head): the engine serves ``rerank``.
+    rerank: bool = False
 
 
 @attrs.frozen
@@ -198,9 +204,37 @@ class Finished:
 Event = Queued | Started | Token | Finished
 
 
+@attrs.frozen
+class Ranked:
+    """One document's relevance to a query, from :meth:`Engine.rerank`.
+
+    ``score`` is on the model's own scale (higher is more relevant): a single-output head's
+    logit, or with several outputs the first. ``label_scores`` holds every output of a head
+    with more than one (None for one). ``truncated`` says the document was cut to fit the
+    model's window; ``tokens`` is the length of the pair the model read.
+    """
+
+    score: float
+    label_scores: tuple[float, ...] | None = None
+    truncated: bool = False
+    tokens: int = 0
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """A loaded model. Methods that compute run off the event loop."""
+    """A loaded model. Methods that compute run off the event loop.
+
+    A reranker engine (``capabilities.rerank``) also provides, outside this protocol::
+
+        async def rerank(self, query: str, documents: list[str]) -> list[Ranked]
+
+    one :class:`Ranked` per document, in the documents' order. Each (query, document) pair
+    is scored in a forward pass of its own, so a score never depends on the other
+    documents; a document too long for the window is cut (``truncated``), and a query that
+    leaves no room for a document is refused with ``LocalmError(400, ...,
+    code="query_too_long")``. It runs in turn with the engine's other work and is never
+    steered.
+    """
 
     engine: str  # the engine's name ("llamacpp", "transformers")
     capabilities: Capabilities
@@ -249,7 +283,15 @@ class Engine(Protocol):
 
 
 class EngineError(Exception):
-    """A model that cannot be loaded or run; the message never names absolute paths."""
+    """A model that cannot be loaded or run; the message never names absolute paths.
+
+    ``code`` names a failure a caller may tell apart (``"no_classifier_head"``: a model
+    registered as a reranker whose files hold no classifier head); the model manager
+    reports it as the error's code, ``model_load_failed`` otherwise."""
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Serial:

@@ -42,6 +42,9 @@ class ModelManager:
         self.resident: dict[str, Resident] = {}
         self.active: str | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Held while a reranker loads: one reranker is resident at a time, and two loads of
+        #: different rerankers must not both end resident.
+        self._reranker_turn = asyncio.Lock()
         #: A model locked (by the steering plugin) is the only one GET /v1/models lists.
         self.locked: str | None = None
 
@@ -66,26 +69,48 @@ class ModelManager:
 
     # --- loading --------------------------------------------------------------------
     async def load(self, name: str | None) -> tuple[Resident, bool]:
-        """(resident, was_loaded_now). Concurrent loads of one model share one load."""
+        """(resident, was_loaded_now). Concurrent loads of one model share one load.
+
+        Loading a chat model makes it the active one (what a request without a model gets);
+        an embedding model or a reranker never becomes active. Loading a reranker first
+        unloads any other resident reranker, waiting for its requests as ``unload_one`` does.
+        """
         entry = self.resolve(name)
         lock = self._locks.setdefault(entry.id, asyncio.Lock())
         async with lock:
             found = self.resident.get(entry.id)
             if found is not None:
                 return found, False
-            engine_name = self.engine_name(entry)
-            plugin, factory = self._kernel.engines[engine_name]
-            started = time.perf_counter()
-            try:
-                engine = await asyncio.to_thread(factory, entry, {})
-            except EngineError as exc:
-                raise LocalmError(500, f"Could not load {entry.id}: {exc}", code="model_load_failed") from exc
-            resident = Resident(entry=entry, engine=engine, loaded_at=time.time())
-            self.resident[entry.id] = resident
+            if entry.role != "reranker":
+                return await self._load_now(entry), True
+            async with self._reranker_turn:
+                await self._unload_rerankers(keep=entry.id)
+                return await self._load_now(entry), True
+
+    async def _load_now(self, entry: ModelEntry) -> Resident:
+        engine_name = self.engine_name(entry)
+        plugin, factory = self._kernel.engines[engine_name]
+        started = time.perf_counter()
+        try:
+            engine = await asyncio.to_thread(factory, entry, {})
+        except EngineError as exc:
+            raise LocalmError(500, f"Could not load {entry.id}: {exc}", code=exc.code or "model_load_failed") from exc
+        resident = Resident(entry=entry, engine=engine, loaded_at=time.time())
+        self.resident[entry.id] = resident
+        if entry.role == "chat":
             self.active = entry.id
-            self._update_gauge()
-            log.info("loaded %s with %s in %.2fs", entry.id, engine_name, time.perf_counter() - started)
-            return resident, True
+        self._update_gauge()
+        log.info("loaded %s with %s in %.2fs", entry.id, engine_name, time.perf_counter() - started)
+        return resident
+
+    async def _unload_rerankers(self, keep: str) -> None:
+        """Unload every resident reranker but ``keep``; 503 model_busy when one stays in use."""
+        for other in [r for r in self.resident.values() if r.entry.role == "reranker" and r.entry.id != keep]:
+            out = await self._unload(other)  # by the resident: its entry may have left the registry
+            if out["status"] == "confirm_required":
+                raise LocalmError(503, f"One reranker is resident at a time, and {other.entry.id} is still in use; "
+                                       "retry in a moment", code="model_busy")
+            log.info("unloaded the reranker %s to load %s", other.entry.id, keep)
 
     @contextlib.asynccontextmanager
     async def use(self, name: str | None) -> AsyncIterator[Resident]:
@@ -108,6 +133,11 @@ class ModelManager:
         resident = self.resident.get(entry.id)
         if resident is None:
             return {"status": "already_unloaded", "model": entry.id}
+        return await self._unload(resident, grace)
+
+    async def _unload(self, resident: Resident, grace: float = UNLOAD_GRACE_SECONDS) -> dict[str, Any]:
+        """Unload ``resident`` once its requests finish (up to ``grace`` seconds)."""
+        entry = resident.entry
         resident.unloading = True
         deadline = time.monotonic() + grace
         while resident.in_flight and time.monotonic() < deadline:

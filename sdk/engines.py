@@ -19,12 +19,13 @@ from localm.kernel.engines import (
     GenerateRequest,
     Intervention,
     Queued,
+    Ranked,
     Sampling,
     Serial,
     Started,
     Token,
 )
 
-__all__ = ["LOGPROB_FLOOR", "ActivationRead", "Capabilities", "Constrainer", "Constraint", "Engine", "EngineError", "Event",
-           "Finished", "FinishReason", "GenerateRequest", "Intervention", "Queued", "Sampling", "Serial", "Started", "Token",
-           "TokenMasker", "logprob_entry", "safe_logprob"]
+__all__ = ["LOGPROB_FLOOR", "ActivationRead", "Capabilities", "Constrainer", "Constraint", "Engine", "EngineError",
+           "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Queued", "Ranked", "Sampling",
+           "Serial", "Started", "Token", "TokenMasker", "logprob_entry", "safe_logprob"]

@@ -73,6 +73,8 @@ ROUTES = [
       body={"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
     R("POST", "/v1/completions", None, access="inference", own_status=404, body={"model": "nope", "prompt": "hi"}),
     R("POST", "/v1/embeddings", None, access="inference", own_status=404, body={"model": "nope", "input": "hi"}),
+    R("POST", "/v1/rerank", None, access="inference", own_status=404,
+      body={"model": "nope", "query": "hi", "documents": ["a"]}),
 ]
 SCOPES = sorted({r.scope for r in ROUTES if r.scope})
 UNRELATED = "guard"  # a scope no kernel route asks for

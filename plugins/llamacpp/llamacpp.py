@@ -3,6 +3,11 @@
 llama-cpp-python builds llama.cpp from source. On CPUs that advertise AMX, a native
 build crashes on the first prompt; install it as a portable AVX2 build (see
 docs/engines.md, or `.ci/run`).
+
+A GGUF reranker (rank pooling, a cross-encoder such as bge-reranker-v2-m3) loads as
+llama-server loads one: an embedding context with ``LLAMA_POOLING_TYPE_RANK``, whose
+pooled output for a sequence is the classifier head's output. Each (query, document) pair
+is formatted as llama-server formats it and scored in a pass of its own.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import codecs
 import ctypes
 import os
 import random
+import struct
 import threading
 import time
 import warnings
@@ -38,24 +44,93 @@ def _meta_int(meta: dict[str, Any], key: str) -> int | None:
     return value if value > 0 else None
 
 
+#: A reranker's window must hold the query, the special tokens and at least this many
+#: tokens of each document, or the query is refused as too long.
+RERANK_MIN_DOCUMENT_TOKENS = 8
+#: The classifier-head tensors of a GGUF reranker (llama.cpp's cls / cls_out).
+CLASSIFIER_TENSORS = ("cls.weight", "cls.output.weight")
+
+
+def _tensor_names(path: str) -> set[str]:
+    """The tensor names of a GGUF file, read from its index (no weight is read)."""
+    scalars = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+    def read(fh: Any, fmt: str) -> Any:
+        data = fh.read(struct.calcsize(fmt))
+        if len(data) != struct.calcsize(fmt):
+            raise ValueError("the GGUF header is truncated")
+        return struct.unpack(fmt, data)[0]
+
+    def skip(fh: Any, kind: int) -> None:
+        if kind in scalars:
+            fh.seek(scalars[kind], 1)
+        elif kind == 8:  # a string
+            fh.seek(read(fh, "<Q"), 1)
+        elif kind == 9:  # an array
+            item, count = read(fh, "<I"), read(fh, "<Q")
+            if item in scalars:
+                fh.seek(scalars[item] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(fh, item)
+        else:
+            raise ValueError(f"unknown GGUF value type {kind}")
+
+    names: set[str] = set()
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file")
+        read(fh, "<I")  # version
+        tensors, kv_count = read(fh, "<Q"), read(fh, "<Q")
+        for _ in range(kv_count):
+            skip(fh, 8)  # the key
+            skip(fh, read(fh, "<I"))
+        for _ in range(tensors):
+            names.add(fh.read(read(fh, "<Q")).decode("utf-8", errors="replace"))
+            fh.seek(8 * read(fh, "<I") + 4 + 8, 1)  # dimensions, type, offset
+    return names
+
+
 class LlamaEngine:
     engine = "llamacpp"
 
-    def __init__(self, path: str, settings: dict[str, Any]) -> None:
+    def __init__(self, path: str, settings: dict[str, Any], role: str = "chat") -> None:
         try:
+            import llama_cpp
             from llama_cpp import Llama
         except ImportError as exc:  # the plugin only activates with it installed; a broken build lands here
             raise spec.EngineError(f"llama-cpp-python cannot be imported: {exc}") from exc
         threads = settings["n_threads"] or os.cpu_count() or 1
+        self.role = role
+        self.reranker = role == "reranker"
+        name = os.path.basename(path)
+        options: dict[str, Any] = {"n_threads": threads, "n_threads_batch": threads, "n_batch": settings["n_batch"],
+                                   "verbose": False}
+        if self.reranker:
+            try:
+                head = set(CLASSIFIER_TENSORS) & _tensor_names(path)
+            except (OSError, ValueError) as exc:
+                raise spec.EngineError(f"llama.cpp could not read {name}: {exc}") from exc
+            if not head:  # llama.cpp would abort the process on the first pass
+                raise spec.EngineError(f"{name} has no classifier head (no {' or '.join(CLASSIFIER_TENSORS)} "
+                                       "tensor)", code="no_classifier_head")
+            # an encoder reads a whole pair in one pass: the batch is the window
+            options.update(embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK, n_batch=settings["n_ctx"],
+                           n_ubatch=settings["n_ctx"])
         try:
-            self.llm = Llama(model_path=path, n_ctx=settings["n_ctx"], n_threads=threads,
-                             n_threads_batch=threads, n_batch=settings["n_batch"], verbose=False)
+            self.llm = Llama(model_path=path, n_ctx=settings["n_ctx"], **options)
         except Exception as exc:
-            raise spec.EngineError(f"llama.cpp could not load {os.path.basename(path)}: {exc}") from exc
-        n_ctx_train = self.llm.n_ctx_train() if hasattr(self.llm, "n_ctx_train") else self.llm.n_ctx()
-        if self.llm.n_ctx() > n_ctx_train:
-            self.llm = Llama(model_path=path, n_ctx=n_ctx_train, n_threads=threads, n_threads_batch=threads,
-                             n_batch=settings["n_batch"], verbose=False)
+            raise spec.EngineError(f"llama.cpp could not load {name}: {exc}") from exc
+        model = getattr(self.llm, "_model", None)
+        n_ctx_train = model.n_ctx_train() if hasattr(model, "n_ctx_train") else self.llm.n_ctx()
+        if 0 < n_ctx_train < self.llm.n_ctx():  # past its trained positions an encoder aborts the process
+            if self.reranker:
+                options.update(n_batch=n_ctx_train, n_ubatch=n_ctx_train)
+            self.llm.close()
+            self.llm = Llama(model_path=path, n_ctx=n_ctx_train, **options)
+        #: The positions a pair may take (llama.cpp rounds a context up; an encoder's positions end at
+        #: what it was trained with).
+        self._window = min(self.llm.n_ctx(), n_ctx_train or self.llm.n_ctx())
         meta = self.llm.metadata
         self.template = meta.get("tokenizer.chat_template")
         arch = meta.get("general.architecture", "")
@@ -63,12 +138,16 @@ class LlamaEngine:
             # llama.cpp offers no per-request hook on the residual stream: no steering, no reads
             interventions=False, hidden_size=_meta_int(meta, f"{arch}.embedding_length"),
             layers=_meta_int(meta, f"{arch}.block_count"),
-            context_window=self.llm.n_ctx(), chat_template=bool(self.template), embeddings=True,
+            context_window=self._window if self.reranker else self.llm.n_ctx(), chat_template=bool(self.template),
+            embeddings=not self.reranker,
             # llama.cpp picks kernels by batch size: a reply over a reused cache can differ
             cache_exact=False,
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template),
-            logprobs=True, grammar=spec.Constrainer.available())
+            logprobs=not self.reranker, grammar=not self.reranker and spec.Constrainer.available(),
+            rerank=self.reranker)
+        #: A decoder reranker's prompt (Qwen3-Reranker), with {query} and {document} in it.
+        self._rerank_template = meta.get("tokenizer.chat_template.rerank") or None
         bos = self.llm.token_bos()
         self._bos_text = self.llm._model.token_get_text(bos) if bos >= 0 else ""
         self._formatter = None
@@ -143,10 +222,16 @@ class LlamaEngine:
     def _is_eog(self, token: int) -> bool:
         return self._eog(token)
 
+    def _refuse_unless_chat(self) -> None:
+        if self.reranker:
+            raise sdk.LocalmError(400, "This is a reranker: use /v1/rerank", code="not_a_chat_model")
+
     def check_constraint(self, constraint: spec.Constraint) -> None:
+        self._refuse_unless_chat()
         self._constrainer.check(constraint)
 
     def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
+        self._refuse_unless_chat()
         return self._serial.generate(request, self._decode)
 
     def _mask_processor(self, masker: spec.TokenMasker) -> Any:
@@ -247,6 +332,8 @@ class LlamaEngine:
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         """Mean-pooled, normalised hidden states, from a second context opened for embeddings."""
+        if self.reranker:
+            raise sdk.LocalmError(422, "This is a reranker: use /v1/rerank", code="not_an_embedding_model")
         return await self._serial.call(self._embed, texts)
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
@@ -264,6 +351,7 @@ class LlamaEngine:
         return [[float(x) for x in v] for v in self._embedder.embed(texts, normalize=True)]
 
     async def next_token_logits(self, prompt: Sequence[int]) -> Any:
+        self._refuse_unless_chat()
         ids = list(prompt)
         if not ids:
             raise sdk.LocalmError(400, "The prompt is empty")
@@ -291,6 +379,98 @@ class LlamaEngine:
         logits -= np.log(np.exp(logits).sum())
         return logits.tolist()
 
+    # --- reranking -------------------------------------------------------------------
+    def _pair(self, query: list[int] | str, document: list[int] | str) -> list[int]:
+        """A (query, document) pair as llama-server's rerank formats it: the model's rerank
+        template with {query} and {document} filled in (tokenised with special tokens), or
+        [BOS] query [EOS] [SEP] document [EOS], each special as the vocabulary asks for it."""
+        import llama_cpp
+        llm = self.llm
+        if self._rerank_template:
+            prompt = self._rerank_template.replace("{query}", str(query)).replace("{document}", str(document))
+            return llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+        vocab = llm._model.vocab
+
+        def flag(name: str, default: bool) -> bool:
+            fn = getattr(llama_cpp, name, None)
+            return bool(fn(vocab)) if fn is not None else default
+
+        eos = llm.token_eos()
+        sep = llama_cpp.llama_vocab_sep(vocab)
+        if eos == llama_cpp.LLAMA_TOKEN_NULL:
+            eos = sep
+        out = [llm.token_bos()] if flag("llama_vocab_get_add_bos", True) else []
+        out += list(query)
+        if flag("llama_vocab_get_add_eos", True):
+            out.append(eos)
+        if flag("llama_vocab_get_add_sep", True):
+            out.append(sep)
+        out += list(document)
+        if flag("llama_vocab_get_add_eos", True):
+            out.append(eos)
+        return out
+
+    def _words(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+    async def rerank(self, query: str, documents: list[str]) -> list[spec.Ranked]:
+        """One score per document: the classifier head over the formatted (query, document)
+        pair, the document cut to fit the window. One pair a pass."""
+        if not self.reranker:
+            raise sdk.LocalmError(422, "This model is not a reranker", code="not_a_reranker")
+        window = self._window
+        fixed = len(self._pair(query if self._rerank_template else self._words(query),
+                               "" if self._rerank_template else []))
+        if fixed + RERANK_MIN_DOCUMENT_TOKENS > window:
+            raise sdk.LocalmError(400, f"The query takes {fixed} tokens with the special ones; this reranker reads "
+                                       f"{window} tokens, which must hold them and at least "
+                                       f"{RERANK_MIN_DOCUMENT_TOKENS} tokens of each document",
+                                  code="query_too_long")
+        return await self._serial.call(self._rerank, query, list(documents))
+
+    def _rerank(self, query: str, documents: list[str]) -> list[spec.Ranked]:
+        window = self._window
+        templated = bool(self._rerank_template)
+        asked = self._words(query)
+
+        def pair(words: list[int], text: str | None = None) -> list[int]:
+            if not templated:
+                return self._pair(asked, words)
+            if text is None:
+                text = self.llm.detokenize(words).decode("utf-8", errors="ignore")
+            return self._pair(query, text)
+
+        out = []
+        for document in documents:
+            words = self._words(document)
+            tokens = pair(words, document)
+            truncated = len(tokens) > window
+            while len(tokens) > window and words:  # cut the document, never the query
+                words = words[:len(words) - (len(tokens) - window)]
+                tokens = pair(words)
+            tokens = tokens[:window]
+            scores = self._rank(tokens)
+            out.append(spec.Ranked(score=scores[0], label_scores=tuple(scores) if len(scores) > 1 else None,
+                                   truncated=truncated, tokens=len(tokens)))
+        return out
+
+    def _rank(self, tokens: list[int]) -> list[float]:
+        """The classifier head's outputs for one sequence (llama.cpp's rank pooling)."""
+        import llama_cpp
+        llm = self.llm
+        llm._ctx.kv_cache_clear()
+        llm._batch.reset()
+        llm._batch.add_sequence(tokens, 0, True)
+        llm._ctx.decode(llm._batch)
+        llm._batch.reset()
+        count = 1
+        if hasattr(llama_cpp, "llama_model_n_cls_out"):
+            count = max(1, int(llama_cpp.llama_model_n_cls_out(llm.model)))
+        pointer = llama_cpp.llama_get_embeddings_seq(llm._ctx.ctx, 0)
+        if not pointer:
+            raise RuntimeError("llama.cpp returned no score for the pair")
+        return [float(pointer[i]) for i in range(count)]
+
     def close(self) -> None:
         self._serial.close()
         for llm in (self.llm, self._embedder):
@@ -306,6 +486,6 @@ def register_settings(register):
 @sdk.hookimpl
 def register_engines(register, plugin):
     def load(entry: Any, options: dict[str, Any]) -> LlamaEngine:
-        return LlamaEngine(entry.path, {**plugin.settings, **options})
+        return LlamaEngine(entry.path, {**plugin.settings, **options}, getattr(entry, "role", "chat"))
 
     register("llamacpp", load)

@@ -3,7 +3,9 @@
 Chat and base models load with ``AutoModelForCausalLM`` (a GGUF file is de-quantised to
 float32 by transformers on load); embedding models (a sentence-transformers folder, or
 any folder without a causal-LM head) load with ``AutoModel`` and pool as the folder
-declares. Everything runs on the CPU in float32 and reads local files only.
+declares; rerankers (a ``...ForSequenceClassification`` folder, a cross-encoder) load
+with ``AutoModelForSequenceClassification`` and score each (query, document) pair with
+their classifier head. Everything runs on the CPU in float32 and reads local files only.
 
 Generation is a token-by-token loop over a KV cache in one worker thread, so a request
 that is cancelled stops within a token, and the cache of the last request is reused
@@ -45,6 +47,12 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<en
                "<|end|>", "<|return|>", "</s>")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^/\s'\"]+/)+([^/\s'\",:)]+)")
+#: A reranker's window must hold the query, the special tokens and at least this many
+#: tokens of each document, or the query is refused as too long.
+RERANK_MIN_DOCUMENT_TOKENS = 8
+#: Encoders whose positions start after the padding index (RoBERTa's offset): a window
+#: of max_position_embeddings would run past their last position.
+_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "longformer"}
 
 
 @attrs.frozen
@@ -290,14 +298,22 @@ class TransformersEngine:
         else:
             folder, kwargs = path, {}
         kwargs["local_files_only"] = True  # never the network: the registry holds local files only
+        self.role = role
         self.embedding = role == "embedding"
+        self.reranker = role == "reranker"
+        if self.reranker:
+            self._check_classifier(kind, folder)
+        missing: list[str] = []
         try:
             with _quick_gguf_load() if kind == "gguf" else contextlib.nullcontext():
                 self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
-                self.model = self._load_model(transformers, folder, kwargs, settings["attention"])
+                self.model = self._load_model(transformers, folder, kwargs, settings["attention"], missing)
         except Exception as exc:
             raise spec.EngineError(f"transformers could not load {name}: "
                                    f"{_redact(_first_line(exc), path, folder)}") from exc
+        if missing:  # transformers would score with a freshly initialised, random head
+            raise spec.EngineError(f"{name} has no classifier head: its weights lack {', '.join(missing[:4])}",
+                                   code="no_classifier_head")
         self.model.eval()
         config = self.model.config
         native = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -311,9 +327,14 @@ class TransformersEngine:
             limit = (_read_json(Path(folder) / "sentence_bert_config.json") or {}).get("max_seq_length")
             window = min(x for x in (limit, native, getattr(self.tokenizer, "model_max_length", None), 512)
                          if isinstance(x, int) and x > 0)
+        elif self.reranker:  # the encoder's positions and the tokenizer's declared limit bound the pair
+            limit = getattr(self.tokenizer, "model_max_length", None)
+            if isinstance(native, int) and getattr(config, "model_type", None) in _OFFSET_POSITIONS:
+                native -= (getattr(config, "pad_token_id", None) or 1) + 1
+            window = min(x for x in (settings["n_ctx"], native, limit) if isinstance(x, int) and x > 0)
         else:
             window = min(settings["n_ctx"], native) if isinstance(native, int) and native > 0 else settings["n_ctx"]
-        causal = not self.embedding
+        causal = role == "chat"
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._layers = _decoder_layers(self.model) if causal else None
         hidden = getattr(text_config, "hidden_size", None)
@@ -322,7 +343,8 @@ class TransformersEngine:
         self.capabilities = spec.Capabilities(
             interventions=self._layers is not None and self._hidden is not None,
             hidden_size=self._hidden, layers=count if isinstance(count, int) else None,
-            context_window=window, chat_template=bool(self.template), embeddings=True, dtype="float32",
+            context_window=window, chat_template=bool(self.template), embeddings=not self.reranker,
+            rerank=self.reranker, dtype="float32",
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template), logprobs=causal,
             grammar=causal and spec.Constrainer.available()
@@ -355,7 +377,7 @@ class TransformersEngine:
         """The llguidance tokenizer of this vocabulary, as wide as the model's logits; its end tokens
         are the model's end-of-generation ones."""
         import transformers
-        if self.embedding or not isinstance(self.tokenizer, transformers.PreTrainedTokenizerFast):
+        if self.role != "chat" or not isinstance(self.tokenizer, transformers.PreTrainedTokenizerFast):
             raise sdk.LocalmError(400, "Constrained output needs a chat model with a fast tokenizer",
                                   code="grammar_unavailable")
         from llguidance.hf import from_tokenizer
@@ -364,17 +386,41 @@ class TransformersEngine:
             return from_tokenizer(self.tokenizer, n_vocab=max(self._logits_width(), len(self.tokenizer)),
                                   eos_token=ends)
 
-    def _load_model(self, transformers: Any, folder: str, kwargs: dict[str, Any], attention: str) -> Any:
-        load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
+    def _load_model(self, transformers: Any, folder: str, kwargs: dict[str, Any], attention: str,
+                    missing: list[str]) -> Any:
+        """The model; for a reranker, ``missing`` gets the classifier-head weights the files lack."""
+        if self.reranker:
+            load = transformers.AutoModelForSequenceClassification
+        else:
+            load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
         dtype = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         options: dict[str, Any] = {**kwargs, dtype: self._torch.float32, "attn_implementation": attention}
+        if self.reranker:
+            options["output_loading_info"] = True
         try:
-            return load.from_pretrained(folder, **options)
+            loaded = load.from_pretrained(folder, **options)
         except (ValueError, ImportError) as exc:
             if "attention" not in str(exc).lower() and "attn" not in str(exc).lower():
                 raise
             del options["attn_implementation"]  # an architecture without that attention kernel
-            return load.from_pretrained(folder, **options)
+            loaded = load.from_pretrained(folder, **options)
+        if not self.reranker:
+            return loaded
+        model, info = loaded
+        prefix = getattr(model, "base_model_prefix", "") + "."
+        missing.extend(sorted(k for k in info.get("missing_keys", ()) if not k.startswith(prefix)))
+        return model
+
+    def _check_classifier(self, kind: str, folder: str) -> None:
+        """A reranker is a sequence-classification model: refuse any other before loading it."""
+        if kind == "gguf":
+            raise spec.EngineError(f"transformers cannot run the GGUF reranker {self._name}: "
+                                   "enable the llamacpp plugin")
+        archs = (_read_json(Path(folder) / "config.json") or {}).get("architectures") or []
+        if not any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in archs):
+            named = ", ".join(str(a) for a in archs) or "none"
+            raise spec.EngineError(f"{self._name} has no classifier head (its architectures: {named}); a reranker "
+                                   "is a ...ForSequenceClassification model", code="no_classifier_head")
 
     @staticmethod
     def _read_pooling(folder: Path) -> str:
@@ -460,14 +506,22 @@ class TransformersEngine:
     def busy(self) -> int:
         return self._serial.busy
 
-    def check_constraint(self, constraint: spec.Constraint) -> None:
+    def _not_chat(self) -> sdk.LocalmError | None:
+        """The refusal of a generation on a model that does not generate (None on a chat model)."""
         if self.embedding:
-            raise sdk.LocalmError(400, "This is an embedding model: use /v1/embeddings", code="not_a_chat_model")
+            return sdk.LocalmError(400, "This is an embedding model: use /v1/embeddings", code="not_a_chat_model")
+        if self.reranker:
+            return sdk.LocalmError(400, "This is a reranker: use /v1/rerank", code="not_a_chat_model")
+        return None
+
+    def check_constraint(self, constraint: spec.Constraint) -> None:
+        if (refusal := self._not_chat()) is not None:
+            raise refusal
         self._constrainer.check(constraint)
 
     def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
-        if self.embedding:
-            raise sdk.LocalmError(400, "This is an embedding model: use /v1/embeddings", code="not_a_chat_model")
+        if (refusal := self._not_chat()) is not None:
+            raise refusal
         return self._serial.generate(request, self._decode)
 
     def _new_cache(self) -> Any:
@@ -645,6 +699,8 @@ class TransformersEngine:
     async def embed(self, texts: list[str]) -> list[list[float]]:
         """One normalised vector per text: pooled as an embedding model declares, or the mean of a
         generative model's final hidden states (as llama.cpp embeds a GGUF chat model)."""
+        if self.reranker:
+            raise sdk.LocalmError(422, "This is a reranker: use /v1/rerank", code="not_an_embedding_model")
         if not self.embedding:
             for text in texts:
                 size = len(self.tokenize(text))
@@ -692,9 +748,9 @@ class TransformersEngine:
 
     async def _score(self, prompt: Sequence[int]) -> Any:
         """The raw logits (a float32 tensor) for the token after ``prompt``, from a fresh cache."""
-        if self.embedding:
-            raise sdk.LocalmError(400, "This is an embedding model: it does not predict tokens",
-                                  code="not_a_chat_model")
+        if self.role != "chat":
+            raise sdk.LocalmError(400, f"This is {'a reranker' if self.reranker else 'an embedding model'}: "
+                                       "it does not predict tokens", code="not_a_chat_model")
         ids = list(prompt)
         if not ids:
             raise sdk.LocalmError(400, "The prompt is empty")
@@ -711,6 +767,41 @@ class TransformersEngine:
                     logits = self._forward(ids[at:at + self._n_batch], cache)
                 return logits.clone()
         return await self._serial.call(score)
+
+    # --- reranking -------------------------------------------------------------------
+    async def rerank(self, query: str, documents: list[str]) -> list[spec.Ranked]:
+        """One score per document: the classifier head over the tokenizer's pair encoding of
+        (query, document), the document cut to fit the window. One pair a pass, unpadded, so a
+        document's score never depends on the others."""
+        if not self.reranker:
+            raise sdk.LocalmError(422, "This model is not a reranker", code="not_a_reranker")
+        with self._tokenizing:
+            asked = len(self.tokenizer(query, add_special_tokens=False)["input_ids"])
+            specials = self.tokenizer.num_special_tokens_to_add(pair=True)
+        if asked + specials + RERANK_MIN_DOCUMENT_TOKENS > self._n_ctx:
+            raise sdk.LocalmError(400, f"The query is {asked} tokens; this reranker reads {self._n_ctx} tokens, "
+                                       f"which must hold the query, {specials} special tokens and at least "
+                                       f"{RERANK_MIN_DOCUMENT_TOKENS} tokens of each document",
+                                  code="query_too_long")
+        return await self._serial.call(self._rerank, query, list(documents), asked + specials)
+
+    def _rerank(self, query: str, documents: list[str], fixed: int) -> list[spec.Ranked]:
+        torch = self._torch
+        out: list[spec.Ranked] = []
+        with torch.inference_mode():
+            for document in documents:
+                with self._tokenizing:
+                    size = len(self.tokenizer(document, add_special_tokens=False)["input_ids"])
+                    pair = self.tokenizer(query, document, truncation="only_second", max_length=self._n_ctx,
+                                          return_tensors="pt")
+                if getattr(self.model.config, "type_vocab_size", 2) < 2:  # one segment embedding (RoBERTa)
+                    pair.pop("token_type_ids", None)
+                logits = self.model(**pair).logits[0].float().tolist()
+                out.append(spec.Ranked(score=float(logits[0]),
+                                       label_scores=tuple(float(x) for x in logits) if len(logits) > 1 else None,
+                                       truncated=fixed + size > self._n_ctx,
+                                       tokens=int(pair["input_ids"].shape[1])))
+        return out
 
     def close(self) -> None:
         self._serial.close()

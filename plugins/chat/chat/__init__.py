@@ -1,4 +1,4 @@
-"""The chat plugin: POST /v1/chat/completions, /v1/completions and /v1/embeddings.
+"""The chat plugin: POST /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/rerank.
 
 It parses OpenAI requests, runs the chat pipeline (inlet hooks, template, the engine,
 stop sequences, outlet hooks) and renders OpenAI responses and server-sent events.
@@ -20,6 +20,7 @@ from localm import sdk
 
 from . import fields, pipeline, scoring
 from .request import Reader
+from .rerank import rerank_route
 from .service import ChatService, fingerprint  # noqa: F401  (scoring reads fingerprint from the package)
 
 log = logging.getLogger("localm.plugin.chat")
@@ -273,4 +274,4 @@ def startup(host, plugin):
 
 @sdk.hookimpl
 def register_routes(register):
-    register(chat_completions, completions, embeddings)
+    register(chat_completions, completions, embeddings, rerank_route)

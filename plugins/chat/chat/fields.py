@@ -35,7 +35,10 @@ USED = {
                     "max_completion_tokens", "n", "cache_prompt", "logprobs", "return_tokens_as_token_ids",
                     "add_special_tokens", "grammar", "grammar_lazy", "grammar_triggers"},
     "embeddings": {"model", "input", "encoding_format"},
+    "rerank": {"model", "query", "documents", "top_n", "return_documents"},
 }
+#: A document's fields /v1/rerank reads (a document may be a string or {"text": ...}).
+DOCUMENT_USED = {"text"}
 MESSAGE_USED = {"role", "content", "untrusted_spans", "origin"}
 #: Message fields read for one role only.
 ROLE_USED = {"assistant": {"tool_calls"}, "tool": {"tool_call_id", "name"}}
@@ -87,6 +90,12 @@ NOT_HONOURED = {
     "steering": "steering is served by the steering plugin",
     "return_sae_activations": "SAE activations are served by the steering plugin",
 }
+#: Where a route needs its own reason for refusing one of NOT_HONOURED.
+NOT_HONOURED_ON = {
+    "rerank": {"logprobs": "reranking returns one score per document, no token probabilities",
+               "grammar": "reranking generates nothing", "grammar_lazy": "reranking generates nothing",
+               "grammar_triggers": "reranking generates nothing", "dimensions": "reranking returns no vectors"},
+}
 
 
 def strict_mode(headers: Any) -> bool:
@@ -117,7 +126,8 @@ def refuse_not_honoured(route: str, body: dict[str, Any], used: set[str]) -> Non
     """400 field_not_honoured for an output-changing field nothing here serves."""
     for key, value in body.items():
         if key in NOT_HONOURED and key not in used and not _no_change(key, value):
-            raise sdk.LocalmError(400, f"{key} cannot be honoured on {ROUTE_NAMES[route]}: {NOT_HONOURED[key]}",
+            reason = NOT_HONOURED_ON.get(route, {}).get(key, NOT_HONOURED[key])
+            raise sdk.LocalmError(400, f"{key} cannot be honoured on {ROUTE_NAMES[route]}: {reason}",
                                   code="field_not_honoured", field=key)
 
 
@@ -144,7 +154,8 @@ def report(unused: list[str], headers: Any, where: str) -> dict[str, str]:
     return {name: value for name in IGNORED_HEADERS}
 
 
-ROUTE_NAMES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+ROUTE_NAMES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+               "rerank": "/v1/rerank"}
 
 
 def _unused(route: str, body: dict[str, Any], used: set[str]) -> Iterable[str]:
@@ -154,6 +165,10 @@ def _unused(route: str, body: dict[str, Any], used: set[str]) -> Iterable[str]:
         if key in NOT_HONOURED and _no_change(key, value):
             continue  # a "no change" value is honoured by doing nothing
         yield key
+    if route == "rerank" and isinstance(body.get("documents"), list):
+        for i, document in enumerate(body["documents"]):
+            if isinstance(document, dict):
+                yield from (f"documents[{i}].{key}" for key in document if key not in DOCUMENT_USED)
     kwargs = body.get("chat_template_kwargs")
     if route == "chat" and isinstance(kwargs, dict):
         yield from (f"chat_template_kwargs.{key}" for key in kwargs if key != "enable_thinking")

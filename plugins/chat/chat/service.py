@@ -38,6 +38,7 @@ from localm import sdk
 from localm.sdk import engines as spec
 
 from . import constrained, fields, hooks, pipeline
+from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
 from .prompt import chat_tokens
@@ -330,10 +331,29 @@ class ChatService:
     async def embed(self, model: str | None, texts: list[str]) -> tuple[Any, list[list[float]], int]:
         """The registry entry, one normalised vector per text, and the tokens they took."""
         entry = self.host.models.resolve(model)
+        if entry.role == "reranker":
+            raise sdk.LocalmError(422, f"{entry.id} is a reranker: it scores documents against a query "
+                                       "(use /v1/rerank) and embeds nothing", code="not_an_embedding_model")
         async with self.host.models.use(entry.id) as resident:
             vectors = await resident.engine.embed(texts)
             tokens = sum(len(resident.engine.tokenize(t)) for t in texts)
         return entry, vectors, tokens
+
+    async def rerank(self, model: str | None, query: str, documents: list[str], *,
+                     top_n: int | None = None) -> tuple[Any, list[dict[str, Any]], int]:
+        """Score ``documents`` against ``query`` with a registered reranker: (the registry entry,
+        the results best first, the tokens the model read).
+
+        ``model`` names the reranker; None (or "") takes the one registered. Each result is
+        ``{"index": position in documents, "relevance_score": float}``, plus ``label_scores``
+        (every output of a classifier head with several) and ``truncated: True`` (a document
+        cut to fit the model's window); ``top_n`` keeps the best N. Refusals: 400 for an empty
+        query, a query too long for the window, or several rerankers and no model; 404 for an
+        unknown model or no reranker at all; 422 for empty documents, a top_n below 1, a model
+        that is not a reranker, a missing file or one without a classifier head; 503 when the
+        model cannot be loaded or its worker fails.
+        """
+        return await reranking.rerank(self.host, model, query, documents, top_n=top_n)
 
     async def count_tokens(self, body: dict[str, Any], *, route: str = "anthropic.count_tokens",
                            request: Any = None, extra: dict[str, Any] | None = None) -> int:
@@ -446,6 +466,8 @@ class ChatService:
                        received: float, chain: hooks.Chain, steering: Interventions) -> Generation:
         host = self.host
         entry = host.models.resolve(common.model)
+        if entry.role == "reranker":  # refused before it loads (and unloads another reranker)
+            raise sdk.LocalmError(400, f"{entry.id} is a reranker: use /v1/rerank", code="not_a_chat_model")
         async with host.models.use(entry.id) as resident:
             engine = resident.engine
             caps = engine.capabilities

@@ -178,8 +178,12 @@ async def query(request: sdk.Request, name: str) -> dict[str, Any]:
     context = body.get("context")
     if context is not None and not isinstance(context, str):
         raise sdk.LocalmError(400, "context must be a string", code="invalid_parameter")
-    return await k.search(col, text, k=max(1, min(20, int(size))), relevant_only=bool(_flag(body, "relevant_only", False)),
-                          rerank=rerank, context=context)
+    mode = body.get("mode", "hybrid")
+    if mode not in ("hybrid", "vector", "lexical"):
+        raise sdk.LocalmError(400, "mode must be hybrid, vector or lexical", code="invalid_parameter")
+    return await k.search(col, text, k=max(1, min(20, int(size))),
+                          relevant_only=bool(_flag(body, "relevant_only", False)), rerank=rerank, context=context,
+                          mode=mode)
 
 
 @sdk.post("/api/rag/collections/{name:str}/reembed", summary="Recompute a collection's vectors (a job)")

@@ -397,7 +397,10 @@ class Knowledge:
 
     # --- searching -------------------------------------------------------------------------
     async def search(self, col: Collection, query: str, *, k: int = 4, relevant_only: bool = False,
-                     rerank: bool | None = None, context: str | None = None) -> dict[str, Any]:
+                     rerank: bool | None = None, context: str | None = None,
+                     mode: str = "hybrid") -> dict[str, Any]:
+        """Up to ``k`` hits: vector and BM25 candidates fused (``mode`` "vector" or "lexical" uses
+        one side only), filtered by the relevance floor, maybe reranked."""
         k = max(1, min(20, int(k)))
         context = (context or "")[:CONTEXT_CHARS].strip() or None
         context_used = bool(relevant_only and context and search.follows_up(query))
@@ -407,13 +410,14 @@ class Knowledge:
         info = await asyncio.to_thread(col.info)
         vector_hits: list[tuple[str, float]] = []
         entry, _ = await self.embedder()
-        if entry is not None and info.get("chroma") and info.get("embed_model") == entry.id:
+        if mode != "lexical" and entry is not None and info.get("chroma") and info.get("embed_model") == entry.id:
             try:
                 [vector] = await self.embed(entry, [text])
                 vector_hits = await asyncio.to_thread(self.store.vectors.query, info["chroma"], vector, pool)
             except VectorsUnavailable as exc:
                 log.warning("collection %s: searching without vectors: %s", col.name, exc)
-        lexical_hits = await asyncio.to_thread(col.lexical, search.match_expression(words), pool)
+        lexical_hits = [] if mode == "vector" else await asyncio.to_thread(
+            col.lexical, search.match_expression(words), pool)
         candidates = search.fuse(vector_hits, lexical_hits)
         rows = await asyncio.to_thread(col.rows, [c.id for c in candidates])
         candidates = [c for c in candidates if c.id in rows]  # vectors no row names (a crash mid-write)
@@ -444,7 +448,7 @@ class Knowledge:
                 for c in candidates[:k]]
         return {"collection": col.name, "query": query, "hits": hits, "relevant_only": relevant_only,
                 "reranked": reranked, "rerank_model": rerank_model if reranked else None, "rerank_note": note,
-                "context_used": context_used}
+                "context_used": context_used, "mode": mode}
 
     def rerankers(self) -> list[str]:
         return sorted(e.id for e in self.host.models.entries() if e.role == "reranker")
