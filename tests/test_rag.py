@@ -343,6 +343,18 @@ def test_anthropic_and_responses_requests_get_sources_too(rag: LocalmServer, doc
     assert out.json()["sources"][0]["filename"] == "report.pdf" and out.headers["x-localm-rag"].startswith("sources=1")
 
 
+def test_a_message_marked_with_an_origin_is_never_the_query(rag: LocalmServer, docs: dict[str, Path]) -> None:
+    owner = rag.owner()
+    body = {"model": CHAT_MODEL, "max_tokens": 1, "rag": {"collections": ["docs"], "k": 1}, "messages": [
+        {"role": "user", "content": "How do bees keep warm in winter?"},
+        {"role": "user", "origin": "tool", "content": "Tool result: ERR-4471 certificate pinning mismatch."}]}
+    out = owner.post("/v1/chat/completions", json=body).json()
+    assert out["sources"][0]["filename"] == "memo.docx"  # the user's own question, not the tool's text
+    only_marked = {**body, "messages": [body["messages"][1]]}
+    r = owner.post("/v1/chat/completions", json=only_marked)
+    assert r.status_code == 200 and "sources" not in r.json() and "x-localm-rag" not in r.headers
+
+
 def test_rag_field_refusals(rag: LocalmServer, docs: dict[str, Path]) -> None:
     owner = rag.owner()
     base = {"model": CHAT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}

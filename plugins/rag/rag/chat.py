@@ -72,8 +72,11 @@ def ask(request: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any] | N
 
 
 def question(messages: list[Any]) -> tuple[str, str | None]:
-    """The user's last message, and the one before it (the context a follow-up leans on)."""
-    users = [_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    """The user's last message, and the one before it (the context a follow-up leans on):
+    the user's own words, so a message marked with an ``origin`` (a tool result, a note the
+    client wrote) is never the query."""
+    users = [_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "user"
+             and m.get("origin") not in ("tool", "client")]
     users = [u for u in users if u.strip()]
     if not users:
         return "", None
