@@ -1,0 +1,244 @@
+"""The memory routes, /api/memory* (scope ``memory``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from typing import Any
+
+from localm import sdk
+
+from . import current
+from .service import clean
+from .store import KINDS, item, pack
+
+
+async def _body(request: sdk.Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
+    if not isinstance(body, dict):
+        raise sdk.LocalmError(400, "The body must be a JSON object")
+    return body
+
+
+def _text(body: dict[str, Any]) -> str:
+    value = body.get("text")
+    if not isinstance(value, str):
+        raise sdk.LocalmError(400, "text must be a string", code="invalid_parameter")
+    text = clean(value)
+    if not text:
+        raise sdk.LocalmError(400, "text must not be empty", code="empty_text")
+    return text
+
+
+def _importance(body: dict[str, Any], default: float | None) -> float | None:
+    value = body.get("importance", default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise sdk.LocalmError(400, "importance must be a number from 0 to 1", code="invalid_parameter")
+    return float(value)
+
+
+@sdk.get("/api/memory", summary="The saved facts, pending corrections, and whether memory is writable")
+async def read_memory() -> dict[str, Any]:
+    m = current()
+    rows = await asyncio.to_thread(m.store.facts)
+    corrections = await asyncio.to_thread(m.store.corrections) if m.writable else []
+    return {"text": "\n".join(r["text"] for r in rows), "writable": m.writable, "items": [item(r) for r in rows],
+            "corrections": [{"id": c["id"], "action": c["action"], "proposed_text": c["proposed_text"],
+                             "target_id": c["target_id"], "target_text": c["target_text"],
+                             "confidence": c["confidence"], "created": c["created"],
+                             "target_updated": c["target_updated"]} for c in corrections],
+            "path": str(m.store.path), "can_download_embedder": m.can_download(),
+            "embedder_model": m.embedder_name()}
+
+
+@sdk.put("/api/memory", summary="Bulk edit: one fact per line")
+async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
+    m = current()
+    m.check_writable()
+    body = await _body(request)
+    if not isinstance(body.get("text"), str):
+        raise sdk.LocalmError(400, "text must be a string (one fact per line)", code="invalid_parameter")
+    lines = list(dict.fromkeys(line for line in (clean(x) for x in body["text"].splitlines()) if line))
+    entry, vectors, _ = await m.embed(lines) if lines else (None, None, None)
+
+    def save() -> int:
+        with m.store.write() as conn:
+            rows = conn.execute("SELECT * FROM facts").fetchall()
+            existing = {r["text"]: r for r in rows}
+            gone = [r for r in rows if r["text"] not in set(lines)]
+            new = [(n, line) for n, line in enumerate(lines) if line not in existing]
+            m.store.check_caps(conn, adding=len(new), chars=sum(len(t) for _, t in new), removing=len(gone),
+                               removing_chars=sum(len(r["text"]) for r in gone))
+            for row in gone:
+                m.store.delete(conn, row, "bulk_edit")
+            for n, line in new:
+                m.store.insert(conn, line, source="manual", vector=vectors[n] if vectors else None,
+                               model=entry.id if entry else None)
+            return len(lines)
+    count = await asyncio.to_thread(save)
+    m.forget_vectors()
+    return {"status": "saved", "count": count}
+
+
+@sdk.post("/api/memory/append", summary="Add one fact")
+async def append(request: sdk.Request) -> dict[str, Any]:
+    m = current()
+    m.check_writable()
+    body = await _body(request)
+    text = _text(body)
+    importance = _importance(body, 0.5)
+    kind = body.get("kind", "fact")
+    if kind not in KINDS:
+        raise sdk.LocalmError(400, f"kind must be one of {', '.join(KINDS)}", code="invalid_parameter")
+    entry, vectors, _ = await m.embed([text])
+
+    def save() -> str:
+        with m.store.write() as conn:
+            m.store.check_caps(conn, adding=1, chars=len(text))
+            return m.store.insert(conn, text, source="manual", kind=kind, importance=importance or 0.5,
+                                  vector=vectors[0] if vectors else None, model=entry.id if entry else None)
+    fact_id = await asyncio.to_thread(save)
+    m.forget_vectors()
+    return {"status": "appended", "id": fact_id}
+
+
+@sdk.patch("/api/memory/{fact_id:str}", summary="Edit one fact's text or importance")
+async def edit(request: sdk.Request, fact_id: str) -> dict[str, Any]:
+    m = current()
+    m.check_writable()
+    body = await _body(request)
+    if "text" not in body and "importance" not in body:
+        raise sdk.LocalmError(400, "Send text, importance or both", code="invalid_parameter")
+    text = _text(body) if "text" in body else None
+    importance = _importance(body, None)
+    entry, vectors, _ = await m.embed([text]) if text is not None else (None, None, None)
+
+    def save() -> Any:
+        with m.store.write() as conn:
+            row = conn.execute("SELECT * FROM facts WHERE id = ?", (fact_id,)).fetchone()
+            if row is None:
+                raise sdk.LocalmError(404, f"No fact {fact_id}", code="fact_not_found")
+            if text is not None and text != row["text"]:
+                m.store.check_caps(conn, chars=len(text), removing_chars=len(row["text"]))
+                m.store.archive(conn, row, "edited")
+                conn.execute("UPDATE facts SET text = ?, vec = ?, vec_model = ?, updated = ? WHERE id = ?",
+                             (text, None if vectors is None else pack(vectors[0]),
+                              entry.id if entry else None, time.time(), fact_id))
+            if importance is not None:
+                conn.execute("UPDATE facts SET importance = ?, updated = ? WHERE id = ?",
+                             (importance, time.time(), fact_id))
+            return conn.execute("SELECT * FROM facts WHERE id = ?", (fact_id,)).fetchone()
+    row = await asyncio.to_thread(save)
+    m.forget_vectors()
+    return {"status": "saved", "item": item(row)}
+
+
+@sdk.delete("/api/memory/{fact_id:str}", summary="Delete one fact (it is archived)")
+async def forget(fact_id: str) -> dict[str, Any]:
+    m = current()
+    m.check_writable()
+
+    def drop() -> str:
+        with m.store.write() as conn:
+            row = conn.execute("SELECT * FROM facts WHERE id = ?", (fact_id,)).fetchone()
+            if row is None:
+                return "absent"
+            m.store.delete(conn, row, "deleted")
+            return "deleted"
+    status = await asyncio.to_thread(drop)
+    m.forget_vectors()
+    return {"status": status, "id": fact_id}
+
+
+async def _correction(correction_id: str, accept: bool) -> dict[str, Any]:
+    m = current()
+    m.check_writable()
+    entry, vectors = None, None
+    found = next((c for c in await asyncio.to_thread(m.store.corrections) if c["id"] == correction_id), None)
+    if found is None:
+        raise sdk.LocalmError(404, f"No correction {correction_id}", code="correction_not_found")
+    if accept and found["action"] == "update" and found["proposed_text"]:
+        entry, vectors, _ = await m.embed([found["proposed_text"]])
+
+    def apply() -> dict[str, Any]:
+        with m.store.write() as conn:
+            c = conn.execute("SELECT * FROM corrections WHERE id = ?", (correction_id,)).fetchone()
+            if c is None:
+                raise sdk.LocalmError(404, f"No correction {correction_id}", code="correction_not_found")
+            out = {"id": c["id"], "target_id": c["target_id"], "action": c["action"]}
+            target = conn.execute("SELECT * FROM facts WHERE id = ?", (c["target_id"],)).fetchone()
+            conn.execute("DELETE FROM corrections WHERE id = ?", (correction_id,))
+            if target is None:
+                return {"status": "target_gone", **out}
+            if not accept:
+                return {"status": "rejected", **out}
+            try:
+                m.store.archive(conn, target, "corrected")
+            except sqlite3.Error as exc:
+                raise sdk.LocalmError(500, f"The old value could not be archived ({exc}); nothing was applied",
+                                      code="archive_failed") from None
+            if c["action"] == "delete":
+                conn.execute("DELETE FROM facts WHERE id = ?", (target["id"],))
+                return {"status": "deleted", **out}
+            conn.execute("UPDATE facts SET text = ?, vec = ?, vec_model = ?, updated = ? WHERE id = ?",
+                         (c["proposed_text"], None if vectors is None else pack(vectors[0]),
+                          entry.id if entry else None, time.time(), target["id"]))
+            return {"status": "updated", **out}
+    out = await asyncio.to_thread(apply)
+    m.forget_vectors()
+    return out
+
+
+@sdk.post("/api/memory/corrections/{correction_id:str}/accept", summary="Apply a proposed correction")
+async def accept(correction_id: str) -> dict[str, Any]:
+    return await _correction(correction_id, True)
+
+
+@sdk.post("/api/memory/corrections/{correction_id:str}/reject", summary="Discard a proposed correction")
+async def reject(correction_id: str) -> dict[str, Any]:
+    return await _correction(correction_id, False)
+
+
+@sdk.post("/api/memory/consolidate", summary="Distil durable facts from recent sessions now")
+async def consolidate() -> dict[str, Any]:
+    return await current().consolidate()
+
+
+@sdk.get("/api/memory/forgotten", summary="Archived (forgotten) facts, for recovery")
+async def forgotten() -> dict[str, Any]:
+    m = current()
+    return {"items": await asyncio.to_thread(m.store.forgotten)}
+
+
+@sdk.post("/api/memory/forgotten/{archive_id:str}/restore", summary="Bring an archived fact back")
+async def restore(archive_id: str) -> dict[str, Any]:
+    m = current()
+    m.check_writable()
+
+    def back() -> Any:
+        with m.store.write() as conn:
+            a = conn.execute("SELECT * FROM archive WHERE id = ?", (archive_id,)).fetchone()
+            if a is None:
+                raise sdk.LocalmError(404, f"No archived fact {archive_id}", code="archive_not_found")
+            m.store.check_caps(conn, adding=1, chars=len(a["text"]))
+            taken = conn.execute("SELECT 1 FROM facts WHERE id = ?", (a["fact_id"],)).fetchone()
+            fact_id = m.store.insert(conn, a["text"], source=a["source"], kind=a["kind"],
+                                     importance=a["importance"], fact_id=None if taken else a["fact_id"])
+            conn.execute("DELETE FROM archive WHERE id = ?", (archive_id,))
+            return conn.execute("SELECT * FROM facts WHERE id = ?", (fact_id,)).fetchone()
+    row = await asyncio.to_thread(back)
+    m.forget_vectors()
+    return {"status": "restored", "item": item(row)}
+
+
+HANDLERS = [read_memory, bulk_edit, append, edit, forget, accept, reject, consolidate, forgotten, restore]

