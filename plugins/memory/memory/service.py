@@ -274,8 +274,9 @@ class Memory:
         words = own_words(request.get("messages"))
         if not words:
             return None
-        context.status("recalling_memory", "Recalling memories")
         started = time.perf_counter()
+        if await self.rows():  # with nothing stored there is no recall to wait for
+            context.status("recalling_memory", "Recalling memories")
         facts, reason = await self.recall(words[-1], int(self.settings.get("recall_k", 5)))
         ms = round((time.perf_counter() - started) * 1000, 2)
         blob = {"count": len(facts), "items": [{"id": f["id"], "text": f["text"]} for f in facts],
