@@ -69,21 +69,34 @@ async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
     if not isinstance(body.get("text"), str):
         raise sdk.LocalmError(400, "text must be a string (one fact per line)", code="invalid_parameter")
     lines = list(dict.fromkeys(line for line in (clean(x) for x in body["text"].splitlines()) if line))
-    entry, vectors, _ = await m.embed(lines) if lines else (None, None, None)
+    wanted = set(lines)
+
+    def changes(conn: Any) -> tuple[list[Any], list[str]]:
+        """(the records to delete, the lines to add), refused with a 413 past the caps."""
+        rows = conn.execute("SELECT * FROM facts").fetchall()
+        existing = {r["text"] for r in rows}
+        gone = [r for r in rows if r["text"] not in wanted]
+        new = [line for line in lines if line not in existing]
+        m.store.check_caps(conn, adding=len(new), chars=sum(map(len, new)), removing=len(gone),
+                           removing_chars=sum(len(r["text"]) for r in gone))
+        return gone, new
+
+    def plan() -> list[str]:
+        with m.store.connect() as conn:
+            return changes(conn)[1]
+    # refused before any embedding; only the lines that are new are embedded
+    fresh = await asyncio.to_thread(plan)
+    entry, vectors, _ = await m.embed(fresh) if fresh else (None, None, None)
+    vector_of = dict(zip(fresh, vectors)) if vectors else {}
 
     def save() -> int:
         with m.store.write() as conn:
-            rows = conn.execute("SELECT * FROM facts").fetchall()
-            existing = {r["text"]: r for r in rows}
-            gone = [r for r in rows if r["text"] not in set(lines)]
-            new = [(n, line) for n, line in enumerate(lines) if line not in existing]
-            m.store.check_caps(conn, adding=len(new), chars=sum(len(t) for _, t in new), removing=len(gone),
-                               removing_chars=sum(len(r["text"]) for r in gone))
+            gone, new = changes(conn)  # again, inside the transaction
             for row in gone:
                 m.store.delete(conn, row, "bulk_edit")
-            for n, line in new:
-                m.store.insert(conn, line, source="manual", vector=vectors[n] if vectors else None,
-                               model=entry.id if entry else None)
+            for line in new:
+                m.store.insert(conn, line, source="manual", vector=vector_of.get(line),
+                               model=entry.id if entry and line in vector_of else None)
             return len(lines)
     count = await asyncio.to_thread(save)
     m.forget_vectors()
