@@ -208,13 +208,33 @@ def plugin_list(obj: Ctx, as_json: bool) -> None:
 
 @plugin.command("install")
 @click.argument("name_or_dir")
-@click.option("--force", is_flag=True, help="Replace an installed copy of a plugin from a folder.")
+@click.option("--force", is_flag=True, help="Replace an installed copy of a plugin from a folder or a file.")
+@click.option("--id", "fid", metavar="ID", help="The plugin id for an Open WebUI Function file (default: its "
+              "file name).")
 @click.pass_obj
-def plugin_install(obj: Ctx, name_or_dir: str, force: bool) -> None:
-    """Install NAME from the catalog, or a plugin from a local folder."""
-    is_dir = "/" in name_or_dir or name_or_dir.startswith(".") or Path(name_or_dir).is_dir()
+def plugin_install(obj: Ctx, name_or_dir: str, force: bool, fid: str | None) -> None:
+    """Install NAME from the catalog, a plugin from a local folder, or Open WebUI Functions
+    (a .py Function file, or a .json export of several)."""
+    is_file = Path(name_or_dir).expanduser().is_file()
+    is_dir = not is_file and ("/" in name_or_dir or name_or_dir.startswith(".") or Path(name_or_dir).is_dir())
 
     def body() -> None:
+        if is_file:
+            source = str(Path(name_or_dir).expanduser().resolve())
+            if obj.server:
+                out = obj.server.call("POST", "/api/plugins/install-external",
+                                      json={"source": source, "force": force, "id": fid})
+                names, types = out["names"], out["types"]
+            else:
+                host = obj.offline_plugins()
+                names = host.install_functions(host.read_functions(source, fid=fid), force=force)
+                types = {n: host.plugins[n].manifest.type for n in names}
+            for name in names:
+                click.echo(f"Installed {name} (an Open WebUI {types.get(name) or 'Function'}).")
+                _after_change(obj, name)
+            return
+        if fid is not None:
+            fail("--id applies to an Open WebUI Function file")
         if is_dir:
             source = str(Path(name_or_dir).expanduser().resolve())
             if obj.server:

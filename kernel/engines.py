@@ -14,6 +14,7 @@ The event stream of :meth:`Engine.generate`:
 - :class:`Started`: the engine took the request; the prompt is being processed.
 - :class:`Token` (for each generated token): its id and the text it completes; with
   ``logprobs`` requested, its log probability and the most likely alternatives.
+- :class:`Status` (any number, optional): what the engine is doing, for status events.
 - :class:`Finished` (last): why it stopped, and token counts and timings.
 
 Closing the async iterator early (a client that went away, a stop sequence found by
@@ -34,6 +35,11 @@ interventions) always see the unmodified model. That is how embeddings and scori
 unsteered, even while a steered generation runs on the same engine. Only an engine whose
 capabilities say ``interventions=True`` accepts them; any other ends such a request with
 ``Finished(reason="error")``.
+
+An engine whose capabilities say ``messages`` answers whole chat requests: its
+``generate`` reads ``request.chat`` (the OpenAI body after the inlet hooks, and the chat
+context) instead of a token prompt, and its Token events carry text with ``id`` -1. Its
+Finished event's token counts are what it knows of them (0 when nothing counted them).
 
 A model registered as a reranker is loaded as a cross-encoder: its engine says
 ``capabilities.rerank`` and scores (query, document) pairs with ``rerank`` (see
@@ -77,6 +83,11 @@ class Capabilities:
     quantization: str | None = None
     #: A reranker (a cross-encoder with a classifier head): the engine serves ``rerank``.
     rerank: bool = False
+    #: The engine answers whole chat requests (``GenerateRequest.chat``: the messages and the
+    #: rest of the body) rather than token prompts: a model served by a plugin's own code (an
+    #: Open WebUI Pipe) or by a server that applies its own template. It has no tokenizer the
+    #: chat service uses: no prompt is rendered, counted or checked against a window.
+    messages: bool = False
 
 
 @attrs.frozen
@@ -144,6 +155,20 @@ class ActivationRead:
 
 
 @attrs.frozen
+class ChatInput:
+    """A whole chat request, for an engine whose capabilities say ``messages``.
+
+    ``body`` is the request as an OpenAI chat-completions body, as the chat_inlet hooks left
+    it (``model`` is the id of the model that answers, ``stream`` what the client asked for);
+    ``context`` is the request's chat context (the caller, the route, ``field()`` and
+    ``status()``; see docs/plugins.md, "Chat hooks").
+    """
+
+    body: dict[str, Any]
+    context: Any = None
+
+
+@attrs.frozen
 class GenerateRequest:
     prompt: tuple[int, ...]
     sampling: Sampling = Sampling()
@@ -158,6 +183,9 @@ class GenerateRequest:
     #: engine computes the whole prompt afresh (no prompt-cache reuse), so every position is
     #: present in Finished.activations.
     reads: tuple[ActivationRead, ...] = ()
+    #: For an engine whose capabilities say ``messages``: the chat request itself (``prompt``
+    #: is then empty). None for every other engine.
+    chat: ChatInput | None = None
 
 
 @attrs.frozen
@@ -182,6 +210,15 @@ class Token:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@attrs.frozen
+class Status:
+    """What the engine is doing, for a streamed reply's status events (``code`` a stable id,
+    ``text`` in English); an engine may send any number, anywhere before Finished."""
+
+    code: str
+    text: str
+
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
@@ -201,7 +238,7 @@ class Finished:
     activations: dict[tuple[int, str], Any] | None = None
 
 
-Event = Queued | Started | Token | Finished
+Event = Queued | Started | Token | Status | Finished
 
 
 @attrs.frozen

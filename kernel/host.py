@@ -64,9 +64,11 @@ class Host:
         """A plugin's resolved settings."""
         return self._kernel.plugins.resolved_settings(plugin)
 
-    def add_settings(self, plugin: str, settings: type | Iterable[FieldSpec]) -> None:
-        """Add settings to a plugin at run time (served by GET/POST /v1/plugins/settings)."""
-        self._kernel.plugins.add_settings(plugin, settings)
+    def add_settings(self, plugin: str, settings: type | Iterable[FieldSpec], *,
+                     validate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        """Add settings to a plugin at run time (served by GET/POST /v1/plugins/settings);
+        see ``PluginContext.add_settings`` for ``validate``."""
+        self._kernel.plugins.add_settings(plugin, settings, validate=validate)
 
     def start_job(self, fn: Callable[..., Any], *, kind: str, title: str, owner: str = "owner",
                   plugin: str | None = None) -> Any:
@@ -130,3 +132,9 @@ class Host:
             del self._renderers[family]
         for name in [n for n, (p, _) in self._kernel.engines.items() if p == plugin]:
             del self._kernel.engines[name]
+        models = getattr(self._kernel, "models", None)
+        if models is not None:
+            try:
+                models.provide(plugin, [])
+            except RuntimeError:  # no running loop (the CLI's offline host): nothing is resident
+                models.registry.provide(plugin, [])

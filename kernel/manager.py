@@ -60,6 +60,10 @@ class ModelManager:
 
     def engine_name(self, entry: ModelEntry) -> str:
         engines = self._kernel.engines
+        if entry.engine is not None:
+            if entry.engine in engines:
+                return entry.engine
+            raise LocalmError(503, f"No active engine {entry.engine} serves {entry.id}", code="no_engine")
         for name in ENGINES_FOR_TYPE.get(entry.type, ()):
             if name in engines:
                 return name
@@ -97,7 +101,7 @@ class ModelManager:
             raise LocalmError(500, f"Could not load {entry.id}: {exc}", code=exc.code or "model_load_failed") from exc
         resident = Resident(entry=entry, engine=engine, loaded_at=time.time())
         self.resident[entry.id] = resident
-        if entry.role == "chat":
+        if entry.role == "chat" and entry.provider is None:
             self.active = entry.id
         self._update_gauge()
         log.info("loaded %s with %s in %.2fs", entry.id, engine_name, time.perf_counter() - started)
@@ -195,8 +199,38 @@ class ModelManager:
 
     # --- the registry, for surfaces that manage models (the Ollama API) ----------------
     def entries(self) -> list[ModelEntry]:
-        """Every registered model."""
+        """Every registered model, and the models active plugins provide."""
         return self.registry.entries()
+
+    def provide(self, plugin: str, entries: list[ModelEntry | dict[str, Any]]) -> None:
+        """Set the models ``plugin`` provides (listed and answered like registered ones, by the
+        engine each entry names; an empty list withdraws them). An entry is a ModelEntry or a
+        dict with ``id`` and ``engine`` (and optionally ``role``, ``capabilities``, ``source``).
+        A model it no longer provides is unloaded once its requests finish."""
+        made = []
+        for item in entries:
+            if isinstance(item, dict):
+                if not isinstance(item.get("id"), str) or not item["id"] or not isinstance(item.get("engine"), str):
+                    raise ValueError("a provided model needs an id and an engine (strings)")
+                item = ModelEntry(id=item["id"], path="", source=item.get("source") or f"plugin:{plugin}",
+                                  type=item.get("type", "provided"), role=item.get("role", "chat"),
+                                  capabilities=dict(item.get("capabilities") or {}), engine=item["engine"],
+                                  created=item.get("created") or time.time())
+            made.append(item)
+        for gone in self.registry.provide(plugin, made):
+            resident = self.resident.get(gone)
+            if resident is not None:
+                asyncio.get_running_loop().create_task(self._unload(resident))
+
+    def copy(self, name: str, new_name: str) -> ModelEntry:
+        """Register the files of ``name`` under a second id."""
+        from .models import model_id
+
+        if not new_name.strip():
+            raise LocalmError(400, "The new name must not be empty")
+        entry = self.registry.stored_entry(name)
+        copy = attrs.evolve(entry, id=model_id(new_name), aliases=(), created=time.time())
+        return self.registry.add(copy)
 
     async def pull(self, source: str, name: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """Register models from ``source`` (what ``localm pull`` accepts), reporting progress.
@@ -241,19 +275,10 @@ class ModelManager:
         finally:
             await worker
 
-    def copy(self, name: str, new_name: str) -> ModelEntry:
-        """Register the files of ``name`` under a second id."""
-        from .models import model_id
-
-        if not new_name.strip():
-            raise LocalmError(400, "The new name must not be empty")
-        entry = self.registry.get(name)
-        copy = attrs.evolve(entry, id=model_id(new_name), aliases=(), created=time.time())
-        return self.registry.add(copy)
 
     async def remove(self, name: str) -> ModelEntry:
         """Unload ``name`` (waiting for its requests, as an unload does) and forget it; its files stay."""
-        entry = self.registry.get(name)
+        entry = self.registry.stored_entry(name)
         out = await self.unload_one(entry.id)
         if out["status"] == "confirm_required":
             raise LocalmError(409, out["detail"], code="model_busy")

@@ -19,6 +19,8 @@ commands = ["hello"]         # CLI command names it adds (`localm hello ...`)
 label = "Hello"
 group = "Examples"
 icon = "hand-wave"
+type = "example"             # what kind of plugin (an Open WebUI Function: filter, pipe, action)
+author = "Ada"
 ```
 """
 
@@ -118,6 +120,10 @@ class Manifest:
     group: str | None = None
     icon: str | None = None
     tab: str | None = None
+    #: What kind of plugin it is, where that says more than its hooks (an Open WebUI Function:
+    #: "filter", "pipe" or "action"); reported by GET /api/plugins.
+    type: str | None = None
+    author: str | None = None
     client_entry: str | None = None
     tool_exports: tuple[str, ...] = ()
 

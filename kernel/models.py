@@ -50,6 +50,10 @@ class ModelEntry:
     role: str = "chat"  # "chat", "embedding" or "reranker"
     capabilities: dict[str, Any] = attrs.Factory(dict)
     created: float = 0.0
+    #: The engine that serves it, when its file type does not say (a model a plugin provides).
+    engine: str | None = None
+    #: The plugin that provides it while active (it is not in models.json; see Registry.provide).
+    provider: str | None = None
 
     def public(self) -> dict[str, Any]:
         out = attrs.asdict(self)
@@ -65,11 +69,20 @@ class ModelEntry:
 
 
 class Registry:
+    """The registered models: models.json, and the models active plugins provide.
+
+    A provided model (an Open WebUI Pipe's) lives in memory for as long as its plugin says
+    (``provide``); it is listed and resolved like a registered one, but cannot be copied,
+    renamed or removed, and a file model's name always wins over a provided one's.
+    """
+
     def __init__(self, data_dir: Path) -> None:
         self.file = JsonFile(Path(data_dir) / "models.json", what="The model registry (models.json)",
                              default=lambda: {"models": []}, expect=dict)
+        self._provided: dict[str, list[ModelEntry]] = {}
 
-    def entries(self) -> list[ModelEntry]:
+    def stored(self) -> list[ModelEntry]:
+        """The entries of models.json."""
         raw = self.file.cached().get("models", [])
         out = []
         for item in raw if isinstance(raw, list) else []:
@@ -78,6 +91,34 @@ class Registry:
             except (TypeError, ValueError):
                 continue
         return out
+
+    def entries(self) -> list[ModelEntry]:
+        out = self.stored()
+        taken = {name for e in out for name in (e.id, *e.aliases)}
+        for plugin in sorted(self._provided):
+            for entry in self._provided[plugin]:
+                if entry.id not in taken:
+                    out.append(entry)
+                    taken.add(entry.id)
+        return out
+
+    def provide(self, plugin: str, entries: list[ModelEntry]) -> list[str]:
+        """Set the models ``plugin`` provides (an empty list withdraws them); the ids it no
+        longer provides are returned."""
+        before = {e.id for e in self._provided.get(plugin, [])}
+        now = [attrs.evolve(e, provider=plugin) for e in entries]
+        if now:
+            self._provided[plugin] = now
+        else:
+            self._provided.pop(plugin, None)
+        return sorted(before - {e.id for e in now})
+
+    def stored_entry(self, name: str) -> ModelEntry:
+        entry = self.get(name)
+        if entry.provider is not None:
+            raise LocalmError(409, f"{entry.id} is provided by the {entry.provider} plugin, not registered: "
+                                   "change it there", code="model_provided")
+        return entry
 
     def find(self, name: str) -> ModelEntry | None:
         for entry in self.entries():
@@ -106,7 +147,7 @@ class Registry:
         return entry
 
     def remove(self, name: str) -> ModelEntry:
-        entry = self.get(name)
+        entry = self.stored_entry(name)
 
         def apply(current: dict[str, Any]) -> dict[str, Any]:
             return {**current, "models": [m for m in current.get("models", []) if m.get("id") != entry.id]}
@@ -114,7 +155,7 @@ class Registry:
         return entry
 
     def rename(self, name: str, new_name: str) -> tuple[ModelEntry, str]:
-        entry = self.get(name)
+        entry = self.stored_entry(name)
         new_id = model_id(new_name)
         if not new_name.strip():
             raise LocalmError(400, "new_name must not be empty")

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 import attrs
 import pluggy
 
-from . import deps, hookspecs
+from . import deps, functions, hookspecs
 from .config import Config
 from .errors import LocalmError
 from .manifest import Manifest, ManifestError, legal_id, parse_manifest
@@ -102,6 +102,10 @@ class Plugin:
     excluded: bool = False
     #: the last failure of one of its per-request hooks (chat_inlet, ...) while it stayed active
     hook_error: str | None = None
+    #: set at run time (PluginContext.set_priority): replaces the manifest's priority
+    priority: int | None = None
+    #: checks a whole block of setting values (PluginContext.add_settings(..., validate=))
+    settings_validator: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     @property
     def protected(self) -> bool:
@@ -141,9 +145,23 @@ class PluginContext:
         """This plugin's settings, resolved (stored value or declared default)."""
         return self._host.resolved_settings(self.name)
 
-    def add_settings(self, settings: type | Iterable[FieldSpec]) -> None:
-        """Add settings at run time (the Open WebUI Valves seam)."""
-        self._host.add_settings(self.name, settings)
+    @property
+    def stored_settings(self) -> dict[str, Any]:
+        """The settings set explicitly (in config.json), without the defaults."""
+        return dict(self._host.config.plugin_block(self.name))
+
+    def add_settings(self, settings: type | Iterable[FieldSpec], *,
+                     validate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+        """Add settings at run time (the Open WebUI Valves seam). ``validate(values)``, when
+        given, checks every change as a whole: it gets the values the plugin would have set
+        (its stored values with the change applied; a reset key is absent) and returns the
+        values to store, or raises ``LocalmError`` (or ``ValueError``, answered as a 400 with
+        its message); it replaces any validator added before."""
+        self._host.add_settings(self.name, settings, validate=validate)
+
+    def set_priority(self, priority: int | None) -> None:
+        """Order this plugin's chat hooks by ``priority`` from now on (None: the manifest's)."""
+        self._host.set_priority(self.name, priority)
 
     def save_settings(self, updates: dict[str, Any]) -> None:
         """Change this plugin's stored settings (each value checked against its declared field;
@@ -166,7 +184,7 @@ class HookImpl:
         self._host = host
         self.plugin = p.name
         self.context = host.context(p)
-        self.priority = p.manifest.priority if p.manifest else 0
+        self.priority = p.priority if p.priority is not None else (p.manifest.priority if p.manifest else 0)
         self.hook = hook
         self.function = function
         self.argnames = argnames
@@ -515,6 +533,8 @@ class PluginHost:
         p.loaded = False
         p.module = None
         p.added_fields = {}
+        p.settings_validator = None
+        p.priority = None
         p.loaded_fingerprint = None
         self._forget_modules(p.name)
         if not keep_error:
@@ -535,22 +555,59 @@ class PluginHost:
                     await self._deactivate(p)
 
     # --- settings ----------------------------------------------------------------
-    def add_settings(self, name: str, settings: type | Iterable[FieldSpec]) -> None:
+    def add_settings(self, name: str, settings: type | Iterable[FieldSpec], *,
+                     validate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         p = self.plugins[name]
         specs = fields_of(settings) if isinstance(settings, type) else list(settings)
         for spec in specs:
             p.added_fields[spec.key] = spec
+        if validate is not None:
+            p.settings_validator = validate
 
-    def save_settings(self, name: str, updates: dict[str, Any]) -> None:
-        """Validate and store a plugin's setting values (None or "" resets one); all or nothing."""
+    def set_priority(self, name: str, priority: int | None) -> None:
+        p = self.plugins[name]
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise TypeError("a priority is an integer (or None)")
+        if p.priority != priority:
+            p.priority = priority
+            self._impl_version += 1  # the hooks' order is read again
+
+    def check_settings(self, name: str, updates: dict[str, Any], *, caller: Any = None) -> dict[str, Any]:
+        """The changes to store for ``updates`` to a plugin's settings (None or "" resets a
+        value): each value checked against its field, then the whole block by the plugin's
+        validator. Raises the 400 (or, for an owner-only field and a caller who is not the
+        owner, the 403) that refuses the change; nothing is stored."""
         p = self.plugins[name]
         checked: dict[str, Any] = {}
         for key, value in updates.items():
             spec = p.fields.get(key)
             if spec is None:
                 raise LocalmError(400, f"Unknown setting for {name}: {key}")
+            if caller is not None and spec.owner_only and not caller.is_owner:
+                raise LocalmError(403, f"{key} is owner-only: it needs an admin key")
             checked[key] = None if value is None or value == "" else spec.check(value)
-        self.config.set_plugin_values(name, checked)
+        if p.settings_validator is None:
+            return checked
+        stored = self.config.plugin_block(name)
+        block = dict(stored)
+        for key, value in checked.items():
+            if value is None:
+                block.pop(key, None)
+            else:
+                block[key] = value
+        try:
+            kept = p.settings_validator(block)
+        except LocalmError:
+            raise
+        except ValueError as exc:
+            raise LocalmError(400, f"Invalid settings for {name}: {exc}") from exc
+        if not isinstance(kept, dict):
+            raise LocalmError(500, f"The {name} plugin's settings validator returned {type(kept).__name__}")
+        return {**kept, **{key: None for key in stored if key not in kept}}
+
+    def save_settings(self, name: str, updates: dict[str, Any]) -> None:
+        """Validate and store a plugin's setting values (None or "" resets one); all or nothing."""
+        self.config.set_plugin_values(name, self.check_settings(name, updates))
 
     def resolved_settings(self, name: str) -> dict[str, Any]:
         p = self.plugins.get(name)
@@ -593,6 +650,8 @@ class PluginHost:
             "label": (m.label if m and m.label else p.name),
             "icon": m.icon if m else None,
             "group": m.group if m else None,
+            "type": m.type if m else None,
+            "author": m.author if m else None,
             "client_entry": m.client_entry if m else None,
             "assets_base": None,
             "requires": list(m.requires) if m else [],
@@ -722,6 +781,47 @@ class PluginHost:
         self.config.set_plugin_enabled(manifest.id, True)
         self.discover()
         return manifest
+
+    def read_functions(self, source: str | None = None, *, content: str | None = None,
+                       fid: str | None = None) -> list[functions.Function]:
+        """The Open WebUI Functions a ``.py`` file, an export (``.json``) or a source text holds."""
+        if content is not None:
+            if not isinstance(content, str) or not content.strip():
+                raise LocalmError(400, "content must be a Function's Python source")
+            if content.lstrip().startswith(("[", "{")):
+                if fid is not None:
+                    raise LocalmError(400, "an export names its functions' ids itself: id applies to one source")
+                return functions.read_export(content)
+            if fid is None:
+                raise LocalmError(400, "id is required with content: the plugin id to install the Function as")
+            return [functions.read_function(content, fid=fid)]
+        path = Path(source or "").expanduser()
+        if not path.is_file():
+            raise LocalmError(400, f"source is not a file: {path.name or source}")
+        return functions.read_file(path, fid)
+
+    def install_functions(self, found: list[functions.Function], *, force: bool) -> list[str]:
+        """Install Open WebUI Functions as plugins (all of them, or none) and enable them."""
+        for fn in found:
+            existing = self.plugins.get(fn.id)
+            if existing is not None and existing.builtin:
+                raise LocalmError(400, f"Plugin rejected: {fn.id} is the name of a builtin plugin; pass another id")
+            if existing is not None and existing.installed and not force:
+                raise LocalmError(400, f"Plugin {fn.id} is already installed; pass force to replace it")
+        import tempfile
+
+        self.installed_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.installed_dir, prefix=".functions-") as tmp:
+            for fn in found:
+                functions.write_folder(fn, Path(tmp) / fn.id)
+                parse_manifest(Path(tmp) / fn.id / "plugin.toml")  # what was written must read back
+            for fn in found:
+                self._copy_in(Path(tmp) / fn.id, fn.id)
+                if fn.valves:
+                    self.config.set_plugin_values(fn.id, {k: v for k, v in fn.valves.items() if v is not None})
+                self.config.set_plugin_enabled(fn.id, True)
+        self.discover()
+        return [fn.id for fn in found]
 
     # --- catalog operations on a running server ------------------------------------------
     async def install(self, name: str) -> None:

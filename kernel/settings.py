@@ -48,6 +48,10 @@ class FieldSpec:
     min: float | None = None
     max: float | None = None
     secret: bool = False
+    #: Converts or refuses a value (raising ValueError with the reason) in place of the
+    #: type's strict check: for fields whose type is described by another library (an Open
+    #: WebUI Function's pydantic Valves); ``type`` is then the name the schema shows.
+    checker: Any = attrs.field(default=None, eq=False, repr=False)
 
     def schema(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "type": type_name(self.type), "default": self.default,
@@ -70,6 +74,11 @@ class FieldSpec:
 
     def check(self, value: Any) -> Any:
         """Return the value converted to the field's type, or raise a 400 naming the field."""
+        if self.checker is not None:
+            try:
+                return self.checker(value)
+            except (TypeError, ValueError) as exc:
+                raise LocalmError(400, f"Invalid value for {self.key}: {exc}") from exc
         try:
             out = strict.structure(value, self.type)
         except Exception as exc:  # cattrs' own errors, and the strict hooks' ValueError

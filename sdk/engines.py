@@ -10,6 +10,7 @@ from localm.kernel.constrain import (
 from localm.kernel.engines import (
     ActivationRead,
     Capabilities,
+    ChatInput,
     Constraint,
     Engine,
     EngineError,
@@ -23,9 +24,10 @@ from localm.kernel.engines import (
     Sampling,
     Serial,
     Started,
+    Status,
     Token,
 )
 
-__all__ = ["LOGPROB_FLOOR", "ActivationRead", "Capabilities", "Constrainer", "Constraint", "Engine", "EngineError",
+__all__ = ["LOGPROB_FLOOR", "ActivationRead", "Capabilities", "ChatInput", "Constrainer", "Constraint", "Engine", "EngineError",
            "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Queued", "Ranked", "Sampling",
-           "Serial", "Started", "Token", "TokenMasker", "logprob_entry", "safe_logprob"]
+           "Serial", "Started", "Status", "Token", "TokenMasker", "logprob_entry", "safe_logprob"]

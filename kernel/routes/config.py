@@ -76,16 +76,7 @@ async def set_plugin_settings(request: Request, name: str) -> dict[str, Any]:
     if p is None or not p.active or not p.fields:
         raise LocalmError(404, f"No active plugin named {name} has settings")
     body = await json_object(request)
-    fields = p.fields
-    updates: dict[str, Any] = {}
-    for key, value in body.items():
-        spec = fields.get(key)
-        if spec is None:
-            raise LocalmError(400, f"Unknown setting for {name}: {key}")
-        if spec.owner_only and not caller.is_owner:
-            raise LocalmError(403, f"{key} is owner-only: it needs an admin key")
-        updates[key] = None if value is None or value == "" else spec.check(value)
-    k.config.set_plugin_values(name, updates)
+    k.config.set_plugin_values(name, k.plugins.check_settings(name, body, caller=caller))
     return {"plugin": name, "fields": _plugin_fields(k, caller, p)}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from litestar import Request
@@ -68,14 +69,35 @@ async def refresh_one(request: Request, name: str) -> dict[str, Any]:
 
 
 @post("/api/plugins/install-external", scope="plugins:admin",
-      summary="Install a third-party plugin from a local folder")
+      summary="Install a third-party plugin from a local folder, or Open WebUI Functions")
 async def install_external(request: Request) -> dict[str, Any]:
+    """``{"source": PATH}``: a plugin folder, an Open WebUI Function file (``.py``) or an Open
+    WebUI export (``.json``); or ``{"content": SOURCE, "id": ID}``: a Function's source (or an
+    export's JSON, without ``id``). ``force`` replaces what is installed."""
     k = kernel_of(request)
     body = await json_object(request)
-    source = body.get("source")
+    unknown = sorted(set(body) - {"source", "content", "id", "force"})
+    if unknown:
+        raise LocalmError(400, f"Unknown field(s): {', '.join(unknown)} (source, content, id and force are read)")
+    source, content, fid = body.get("source"), body.get("content"), body.get("id")
     force = body.get("force", False)
-    if not isinstance(source, str) or not isinstance(force, bool):
-        raise LocalmError(400, "source must be a folder path (string) and force a boolean")
+    if not isinstance(force, bool) or (fid is not None and not isinstance(fid, str)):
+        raise LocalmError(400, "force must be a boolean and id a string")
+    if (source is None) == (content is None):
+        raise LocalmError(400, "Give either source (a folder, a .py Function or a .json export) or content "
+                               "(a Function's source)")
+    if content is not None or (isinstance(source, str) and Path(source).expanduser().is_file()):
+        found = k.plugins.read_functions(source, content=content, fid=fid)
+        names = k.plugins.install_functions(found, force=force)
+        await k.plugins.sync()
+        first = k.plugins.plugins[names[0]]
+        return {"status": "installed", "name": names[0], "names": names,
+                "version": first.manifest.version if first.manifest else None,
+                "types": {n: k.plugins.plugins[n].manifest.type for n in names}}
+    if not isinstance(source, str):
+        raise LocalmError(400, "source must be a path (string)")
+    if fid is not None:
+        raise LocalmError(400, "id applies to an Open WebUI Function; a plugin folder names itself")
     manifest = k.plugins.install_external_files(source, force=force)
     await k.plugins.sync()
     return {"status": "installed", "name": manifest.id, "version": manifest.version}

@@ -11,6 +11,7 @@ something it may not is that plugin's failure too.
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 from localm import sdk
@@ -19,7 +20,7 @@ from . import pipeline
 
 #: What ``context["key"]`` reads (the context was a dict holding ``route`` before it was an object).
 _KEYS = frozenset({"route", "surface", "streamed", "caller", "owner_tag", "plugin", "host", "request", "model",
-                   "state"})
+                   "state", "fields"})
 _EVENT_TYPES = {"text": ("text",), "reasoning": ("text",), "tool_call": ("call",), "status": ("code", "text")}
 
 
@@ -100,6 +101,11 @@ class ChatContext:
             raise TypeError("context.header takes a name and a value, both strings")
         shared = self._shared
         (shared.late_headers if shared.opened else shared.headers)[name] = value
+
+    @property
+    def fields(self) -> Any:
+        """The fields added to the response so far, by every plugin (read-only; add with ``field``)."""
+        return types.MappingProxyType(self._shared.fields)
 
     def field(self, name: str, value: Any) -> None:
         """Add a field to the response: in the body of a whole reply, in one last chunk (the

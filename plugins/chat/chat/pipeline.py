@@ -52,6 +52,7 @@ class Plan:
     thinking_open: bool = False  # the prompt already opened one
     interventions: tuple[spec.Intervention, ...] = ()  # steering for this request (forward_interventions)
     reads: tuple[spec.ActivationRead, ...] = ()  # residual reads for this request (forward_interventions)
+    chat: spec.ChatInput | None = None  # the whole request, for an engine that answers messages
 
 
 @attrs.define
@@ -241,7 +242,7 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
     ledger = _Ledger() if plan.logprobs is not None else None
     request = spec.GenerateRequest(prompt=tuple(prompt), sampling=common.sampling, cache_prompt=common.cache_prompt,
                                    constraint=plan.constraint, logprobs=plan.logprobs,
-                                   interventions=plan.interventions, reads=plan.reads)
+                                   interventions=plan.interventions, reads=plan.reads, chat=plan.chat)
     first_at = None
     ended = False
 
@@ -275,6 +276,8 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                 yield Status("waiting", "Waiting: another request is running on this model")
             elif isinstance(event, spec.Started):
                 yield Status("generating", "Generating")
+            elif isinstance(event, spec.Status):
+                yield Status(event.code, event.text)
             elif isinstance(event, spec.Token):
                 outcome.completion_tokens += 1
                 outcome.token_ids.append(event.id)
@@ -290,6 +293,8 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                     break
             elif isinstance(event, spec.Finished):
                 outcome.activations = event.activations
+                if plan.chat is not None:  # an engine that answers messages counts (or not) itself
+                    outcome.prompt_tokens, outcome.completion_tokens = event.prompt_tokens, event.completion_tokens
                 for item in decided(splitter.feed("", final=True)):
                     yield item
                 if event.reason == "error":

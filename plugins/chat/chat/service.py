@@ -118,7 +118,7 @@ class Generation:
                     content.append(item.text)
                 yield item
         fmt = self.options.fmt
-        if fmt is not None and self.outcome.ended_by_model and not self.outcome.calls:
+        if fmt is not None and self.plan.chat is None and self.outcome.ended_by_model and not self.outcome.calls:
             constrained.validate_output("".join(content), fmt)
         activations = self.outcome.activations or {}
         for read, done in self.reads:
@@ -462,6 +462,29 @@ class ChatService:
                                        f"rewrites the stream ({names}): ask for them without stream",
                                   code="field_not_honoured", field="logprobs")
 
+    def _prepare_messages(self, entry: Any, engine: Any, common: Common, options: Options, headers: dict[str, str],
+                          received: float, chain: hooks.Chain, steering: Interventions) -> Generation:
+        """A generation for an engine that answers whole chat requests (an Open WebUI Pipe): it
+        gets the request as the inlet hooks left it. What it cannot be told is refused."""
+        caps = engine.capabilities
+        if options.logprobs is not None and not caps.logprobs:
+            raise sdk.LocalmError(400, f"{entry.id} does not report log probabilities",
+                                  code="field_not_honoured", field="logprobs")
+        if steering.items or steering.reads:
+            raise sdk.LocalmError(400, f"{entry.id} cannot be steered", code="field_not_honoured",
+                                  field=min(steering.fields) if steering.fields else "steering")
+        body = copy.deepcopy(chain.shared.request)
+        body["model"], body["stream"] = entry.id, common.stream
+        shared = chain.shared
+        headers.update(shared.headers)
+        shared.headers = headers
+        shared.model = entry.id
+        shown = common.model if common.model not in (None, "", "localm") else entry.id
+        return Generation(host=self.host, entry=entry, prompt=[], fingerprint=fingerprint(entry, engine),
+                          plan=pipeline.Plan(chat=spec.ChatInput(body=body, context=chain.context)),
+                          common=common, options=options, headers=headers, model=shown, received=received,
+                          chain=chain, extra=shared.fields)
+
     async def _prepare(self, common: Common, options: Options, render: Any, headers: dict[str, str],
                        received: float, chain: hooks.Chain, steering: Interventions) -> Generation:
         host = self.host
@@ -471,6 +494,8 @@ class ChatService:
         async with host.models.use(entry.id) as resident:
             engine = resident.engine
             caps = engine.capabilities
+            if caps.messages:
+                return self._prepare_messages(entry, engine, common, options, headers, received, chain, steering)
             constraint = options.constraint()
             if constraint is not None:
                 if not caps.grammar:

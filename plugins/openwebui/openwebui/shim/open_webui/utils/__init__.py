@@ -1,0 +1,1 @@
+"""``open_webui.utils``: of it, localm provides ``misc``."""
