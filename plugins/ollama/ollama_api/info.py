@@ -107,7 +107,9 @@ class Facts:
         self.parameters = 0
         self.template: str | None = None
         try:
-            if entry.type == "gguf":
+            if not entry.path:  # a model a plugin provides (an Open WebUI Pipe): no files to read
+                pass
+            elif entry.type == "gguf":
                 self.meta, self.parameters = _gguf(entry.path, _version(entry.path))
                 template = self.meta.get("tokenizer.chat_template")
                 self.template = template if isinstance(template, str) else None
@@ -132,7 +134,8 @@ class Facts:
 
     def details(self) -> dict[str, Any]:
         family = self.family
-        return {"parent_model": "", "format": "gguf" if self.entry.type == "gguf" else "safetensors",
+        fmt = {"gguf": "gguf", "hf": "safetensors"}.get(self.entry.type, self.entry.type)
+        return {"parent_model": "", "format": fmt,
                 "family": family, "families": [family] if family else None,
                 "parameter_size": human_number(self.parameters) if self.parameters else "",
                 "quantization_level": self.quantization}

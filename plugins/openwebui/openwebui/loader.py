@@ -10,7 +10,7 @@ folder); any other ``open_webui`` module is an ImportError naming it.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
+import importlib.util
 import re
 import sys
 import types
@@ -39,9 +39,9 @@ class ShimFinder(importlib.abc.MetaPathFinder):
         parts = fullname.split(".")
         base = SHIM.joinpath(*parts)
         if base.is_dir():
-            return importlib.machinery.spec_from_file_location(fullname, base / "__init__.py",
+            return importlib.util.spec_from_file_location(fullname, base / "__init__.py",
                                                                submodule_search_locations=[str(base)])
-        return importlib.machinery.spec_from_file_location(fullname, base.with_suffix(".py"))
+        return importlib.util.spec_from_file_location(fullname, base.with_suffix(".py"))
 
 
 _FINDER = ShimFinder()

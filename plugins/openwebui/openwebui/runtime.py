@@ -172,7 +172,7 @@ class Loaded:
         now = int(time.time())
         ident = who(caller)
         owner = caller is None or getattr(caller, "is_owner", True) or getattr(caller, "kind", "") == "open"
-        name = getattr(caller, "name", None) or ("Owner" if ident == "owner" else ident)
+        name = "Owner" if ident == "owner" else (getattr(caller, "name", None) or ident)
         user: dict[str, Any] = {
             "id": ident, "email": f"{ident}@localhost", "username": name, "name": name,
             "role": "admin" if owner else "user", "profile_image_url": "", "bio": None, "gender": None,
