@@ -301,17 +301,20 @@ def _install_pip_entry(obj: Ctx, entry: Any) -> str:
     return _install_folder(obj, str(folder), force=False, expect=entry.name)
 
 
-def _pip(display: Display, args: list[str]) -> None:
-    """Run ``pip install ARGS`` here, its output and downloads on ``display``."""
-    out = PipOutput(display, prefix="  ")
+def _pip(display: Display, args: list[str], build_env: dict[str, str] | None = None, *, prefix: str = "  ") -> None:
+    """Run ``pip install ARGS`` here, its output and each download's bar on ``display``."""
+    out = PipOutput(display, prefix=prefix)
 
     async def go() -> None:
-        async for line in deps.pip_install(args, progress=True):
+        async for line in deps.pip_install(args, build_env, progress=True):
             out.line(line)
     try:
         asyncio.run(go())
     except RuntimeError as exc:
-        raise LocalmError(400, f"Could not install {args[-1]}: {exc}") from exc
+        raise LocalmError(400, f"Could not install {' '.join(a for a in args if not a.startswith('-'))}: {exc}") \
+            from exc
+    finally:
+        out.close()
 
 
 def _complete_plugins(ctx: click.Context, incomplete: str) -> list[CompletionItem]:
@@ -499,16 +502,7 @@ def plugin_install_deps(obj: Ctx, name: str) -> None:
             click.echo("All requirements are already installed.")
         else:
             with Display() as display:
-                out = PipOutput(display)
-
-                async def go() -> None:
-                    async for line in deps.pip_install(wanted, p.manifest.pip_env if p.manifest else None,
-                                                       progress=True):
-                        out.line(line)
-                try:
-                    asyncio.run(go())
-                except RuntimeError as exc:
-                    fail(str(exc))
+                _pip(display, wanted, p.manifest.pip_env if p.manifest else None, prefix="")
             click.echo(f"Installed: {', '.join(wanted)}")
         if obj.server:  # a server bound beyond loopback: pip ran here; let it pick the plugin up
             obj.server.call("POST", "/api/plugins/refresh")

@@ -16,11 +16,9 @@ from typing import Any, Iterator, TextIO
 import click
 
 from .deps import pip_download_name, pip_progress
-from .errors import LocalmError
 
 #: In plain mode, a transfer that takes a while reports where it is this often (seconds).
 PLAIN_EVERY = 10.0
-
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -43,10 +41,12 @@ def human_bytes(n: float) -> str:
 class Task:
     """One piece of work in a :class:`Display`: a transfer measured in bytes, or a job's steps."""
 
-    def __init__(self, display: "Display", label: str, total: float | None, unit: str) -> None:
+    def __init__(self, display: "Display", label: str, total: float | None, unit: str,
+                 announce: bool = True, prefix: str = "") -> None:
         self.display = display
         self.label = label
-        self.total = total
+        self.prefix = prefix  # indents this task's plain lines
+        self.total = total or None  # 0: not known
         self.unit = unit
         self.done = 0.0
         self.message: str | None = None
@@ -55,16 +55,16 @@ class Task:
         self._last_plain = self.started
         self._id: Any = None
         if display.live:
-            self._id = display._rich.add_task(label, total=total, unit=unit)
-        elif unit == "bytes":
-            display.log(f"{label} ({human_bytes(total)})" if total else label)
+            self._id = display._rich.add_task(label, total=self.total, unit=unit)
+        elif unit == "bytes" and announce:
+            display.log(f"{prefix}{label} ({human_bytes(self.total)})" if self.total else prefix + label)
 
     def update(self, done: float | None = None, *, total: float | None = None, message: str | None = None) -> None:
         """Move the task to ``done`` (bytes, or percent for steps); a new ``message`` is a new step."""
         if self.finished:
             return
         if total is not None:
-            self.total = total
+            self.total = total or None
         if done is not None:
             self.done = done
         step = message is not None and message != self.message
@@ -79,26 +79,31 @@ class Task:
             if self.total and now - self._last_plain >= PLAIN_EVERY and self.done < self.total:
                 self._last_plain = now
                 rate = self.done / max(now - self.started, 1e-6)
-                self.display.log(f"  {self.label}: {100 * self.done / self.total:.0f}% "
+                self.display.log(f"{self.prefix}  {self.label}: {100 * self.done / self.total:.0f}% "
                                  f"({human_bytes(self.done)} of {human_bytes(self.total)}, {human_bytes(rate)}/s)")
         elif step:
             share = f"[{self.done:3.0f}%] " if self.total else ""
-            self.display.log(f"{share}{self.label}: {self.message}")
+            self.display.log(f"{self.prefix}{share}{self.label}: {self.message}")
 
     def finish(self) -> None:
-        """The task ended well: fill the bar, or write the closing line of a transfer."""
+        """The task ended well: its full bar moves up among the lines logged so far (so the
+        output reads in order), or in plain mode a transfer writes its closing line."""
         if self.finished:
             return
         self.finished = True
         if self.display.live:
+            rich = self.display._rich
             total = self.total if self.total else max(self.done, 1)
-            self.display._rich.update(self._id, completed=total, total=total)
+            rich.update(self._id, completed=total, total=total)
+            done = [task for task in rich.tasks if task.id == self._id]
+            rich.console.print(rich.make_tasks_table(done))
+            rich.remove_task(self._id)
             return
         if self.unit == "bytes":
             seconds = time.monotonic() - self.started
             size = self.total or self.done
             rate = f", {human_bytes(size / seconds)}/s" if seconds > 0.05 else ""
-            self.display.log(f"{self.label}: {human_bytes(size)} in {seconds:.1f} s{rate}")
+            self.display.log(f"{self.prefix}{self.label}: {human_bytes(size)} in {seconds:.1f} s{rate}")
 
 
 class Display:
@@ -133,9 +138,13 @@ class Display:
         else:
             click.echo(line, file=self.file)
 
-    def task(self, label: str, *, total: float | None = None, unit: str = "steps") -> Task:
-        """A new task: ``unit`` "bytes" (a transfer: size and rate) or "steps" (percent of a job)."""
-        return Task(self, label, total, unit)
+    def task(self, label: str, *, total: float | None = None, unit: str = "steps", announce: bool = True,
+             prefix: str = "") -> Task:
+        """A new task: ``unit`` "bytes" (a transfer: size and rate) or "steps" (percent of a job).
+        Without ``announce`` a transfer writes no opening line in plain mode (pip's own
+        ``Downloading NAME (SIZE)`` line already said it), only its closing one; ``prefix``
+        indents its plain lines."""
+        return Task(self, label, total, unit, announce, prefix)
 
 
 def _columns() -> tuple[Any, Any]:
@@ -161,28 +170,60 @@ def _columns() -> tuple[Any, Any]:
 
 # --- pip's output ----------------------------------------------------------------------
 
-class PipOutput:
-    """Feeds the lines of ``pip install --progress-bar raw`` to a display: each download
-    becomes a transfer task (its bytes and rate), every other line is logged as it comes."""
+class Transfers:
+    """The byte transfers of one piece of work, by name: each drawn as a bar with its size and
+    rate, or in plain mode closed with one line. A transfer pip announced with its own
+    ``Downloading NAME (SIZE)`` line (the last line logged) is not announced again."""
 
     def __init__(self, display: Display, prefix: str = "") -> None:
         self.display = display
         self.prefix = prefix
-        self.file = "download"
-        self.task: Task | None = None
+        self.open: dict[str, Task] = {}
+        self.announced: str | None = None  # the file of the last "Downloading NAME" line logged
+
+    def logged(self, line: str) -> None:
+        self.announced = pip_download_name(line)
+
+    def update(self, label: str, file: str | None, done: float, total: float | None) -> None:
+        task = self.open.get(label)
+        if task is None:
+            task = self.open[label] = self.display.task(label, total=total, unit="bytes", prefix=self.prefix,
+                                                        announce=file is None or file != self.announced)
+        task.update(done, total=total)
+        if task.total and done >= task.total:
+            self.finish(label)
+
+    def finish(self, label: str | None = None) -> None:
+        """End the transfer ``label`` (None: every open one) as complete."""
+        for name in [label] if label is not None else list(self.open):
+            task = self.open.pop(name, None)
+            if task is not None:
+                task.finish()
+
+
+class PipOutput:
+    """Feeds the lines of ``pip install --progress-bar raw`` to a display: each download
+    becomes a transfer (its bytes and rate), every other line is logged as it comes."""
+
+    def __init__(self, display: Display, prefix: str = "") -> None:
+        self.display = display
+        self.prefix = prefix
+        self.file = "a file"
+        self.transfers = Transfers(display, prefix)
 
     def line(self, line: str) -> None:
         progress = pip_progress(line)
         if progress is None:
+            self.transfers.finish()  # pip moved on: a download of unknown size has ended
             self.file = pip_download_name(line) or self.file
             self.display.log(self.prefix + line)
+            self.transfers.logged(line)
             return
         done, total = progress
-        if self.task is None or self.task.finished:
-            self.task = self.display.task(f"Downloading {self.file}", total=total, unit="bytes")
-        self.task.update(done, total=total)
-        if done >= total:
-            self.task.finish()
+        self.transfers.update(f"Downloading {self.file}", self.file, done, total or None)
+
+    def close(self) -> None:
+        self.transfers.finish()
 
 
 # --- server jobs -----------------------------------------------------------------------
@@ -191,30 +232,26 @@ def show_events(events: Iterator[dict[str, Any]], *, label: str, display: Displa
     """Show a job's events (``GET /api/jobs/{id}/events``) until it ends; its ``end`` event.
 
     ``log`` events are written as lines; ``progress`` events move a bar: a transfer's
-    (``unit: "bytes"`` with ``done`` and ``total``) in bytes with its rate, any other in
-    percent, with the event's message as the current step."""
+    (``unit: "bytes"`` with ``done`` and ``total``; ``file`` names what moves) in bytes with
+    its rate, any other in percent, with the event's message as the current step."""
     own = display is None
     shown = display if display is not None else Display()
     if own:
         shown.__enter__()
     steps: Task | None = None
-    transfers: dict[str, Task] = {}
+    transfers = Transfers(shown)
     end: dict[str, Any] = {"status": "failed", "error": "the event stream ended early"}
     try:
         for event in events:
             kind = event.get("type")
             if kind == "log":
-                shown.log(str(event.get("line", "")))
+                line = str(event.get("line", ""))
+                shown.log(line)
+                transfers.logged(line)
+            elif kind == "progress" and event.get("unit") == "bytes":
+                transfers.update(str(event.get("message") or label), event.get("file"),
+                                 float(event.get("done") or 0), event.get("total") or None)
             elif kind == "progress":
-                if event.get("unit") == "bytes" and event.get("total"):
-                    name = str(event.get("message") or label)
-                    task = transfers.get(name)
-                    if task is None or task.finished:
-                        task = transfers[name] = shown.task(name, total=event["total"], unit="bytes")
-                    task.update(event.get("done") or 0, total=event["total"])
-                    if (event.get("done") or 0) >= event["total"]:
-                        task.finish()
-                    continue
                 fraction = event.get("progress")
                 if steps is None:
                     steps = shown.task(label, total=100 if fraction is not None else None)
@@ -222,8 +259,10 @@ def show_events(events: Iterator[dict[str, Any]], *, label: str, display: Displa
                              message=event.get("message"))
             elif kind == "end":
                 end = event
-                if steps is not None and event.get("status") == "done":
-                    steps.finish()
+                if event.get("status") == "done":
+                    transfers.finish()
+                    if steps is not None:
+                        steps.finish()
                 break
     finally:
         if own:
@@ -242,12 +281,3 @@ def watch_job(client: Any, job_id: str, *, label: str) -> dict[str, Any]:
         finally:
             click.echo(f"Cancelled: {label}.", err=True)
             sys.exit(130)
-
-
-def follow_job(client: Any, job_id: str, *, label: str) -> Any:
-    """Follow a server job with a progress display until it ends; its result. A job that
-    failed or was cancelled is a LocalmError naming ``label``."""
-    end = watch_job(client, job_id, label=label)
-    if end.get("status") != "done":
-        raise LocalmError(500, f"{label} {end.get('status', 'ended')}: {end.get('error') or 'no result'}")
-    return end.get("result")

@@ -1,19 +1,17 @@
 """The plugin catalogue: ``localm plugin search`` and ``plugin info`` over builtin, installed and
 catalog plugins plus the catalog's ``index.toml``; ``localm plugin install NAME`` through an
-index entry that names a plugin folder or a pip package (a wheel built here)."""
+index entry that names a plugin folder, a pip package on a package index or a local wheel
+(built here)."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import importlib.metadata as md
 import json
+import os
 import subprocess
-import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
+from cli_fixtures import installed, package_index, pip_env, uninstall, wheel
 from conftest import TEST_STORE
 from localm.sdk.testing import LocalmServer
 
@@ -34,37 +32,6 @@ async def forecast() -> dict:
 def register_routes(register):
     register(forecast)
 '''
-
-
-def wheel(folder: Path, dist: str, files: dict[str, str]) -> Path:
-    """A pure-Python wheel holding ``files`` (name -> text), as pip installs it."""
-    module = dist.replace("-", "_")
-    path = folder / f"{module}-0.1.0-py3-none-any.whl"
-    info = f"{module}-0.1.0.dist-info"
-    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1.0\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = []
-    with zipfile.ZipFile(path, "w") as z:
-        for name, text in files.items():
-            data = text.encode()
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            record.append(f"{name},sha256={digest},{len(data)}")
-            z.writestr(name, data)
-        record.append(f"{info}/RECORD,,")
-        z.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
-    return path
-
-
-def installed(dist: str) -> bool:
-    try:
-        md.distribution(dist)
-    except md.PackageNotFoundError:
-        return False
-    return True
-
-
-def uninstall(dist: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", dist], capture_output=True)
 
 
 def store(tmp_path: Path, index: str) -> dict[str, str]:
@@ -129,27 +96,35 @@ def test_install_a_folder_the_index_names(tmp_path: Path) -> None:
     assert not (tmp_path / "data" / "plugins" / "liar").exists()
 
 
-def test_install_a_pip_package_through_a_running_server(tmp_path: Path, server: Any) -> None:
+def test_install_a_pip_package_by_name_through_a_running_server(tmp_path: Path, server: Any) -> None:
+    """The index names a package; pip fetches it from a package index (one on loopback here)."""
+    built = wheel(tmp_path, "localm-forecast-test", {"localm_forecast_test/__init__.py": "",
+                                                     "localm_forecast_test/plugin/plugin.toml": FORECAST_TOML,
+                                                     "localm_forecast_test/plugin/forecast/__init__.py": FORECAST_PY})
     folder = tmp_path / "store"
     folder.mkdir()
-    wheel(folder, "localm-forecast-test", {"localm_forecast_test/__init__.py": "",
-                                           "localm_forecast_test/plugin/plugin.toml": FORECAST_TOML,
-                                           "localm_forecast_test/plugin/forecast/__init__.py": FORECAST_PY})
     (folder / "index.toml").write_text('[[plugins]]\nname = "forecast"\ndescription = "What the sky does."\n'
-                                       'pip = "./localm_forecast_test-0.1.0-py3-none-any.whl"\n')
-    s = server(env={"LOCALM_PLUGIN_STORE": str(folder)})
-    try:
-        assert s.cli("plugin", "search", "sky").stdout.startswith("forecast ")
-        out = s.cli("plugin", "install", "forecast")
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.startswith("Installing ./localm_forecast_test-0.1.0-py3-none-any.whl with pip\n")
-        assert "Successfully installed localm-forecast-test" in out.stdout
-        assert out.stdout.endswith("Installed forecast.\nIt is active.\n")
-        assert s.owner().get("/forecast").json() == {"sky": "clear"}
-        info = s.cli("plugin", "info", "forecast").stdout
-        assert info.startswith("forecast 1.2.0\n") and "  state:        active" in info
-    finally:
-        uninstall("localm-forecast-test")
+                                       'pip = "localm-forecast-test>=0.1"\n')
+    uninstall("localm-forecast-test")
+    with package_index(tmp_path / "index", [built]) as url:
+        s = server(env={"LOCALM_PLUGIN_STORE": str(folder), **pip_env(url), "PIP_CONFIG_FILE": os.devnull,
+                        "PIP_FIND_LINKS": ""})
+        try:
+            assert s.cli("plugin", "search", "sky").stdout.startswith("forecast ")
+            assert "  source:       pip: localm-forecast-test>=0.1" in s.cli("plugin", "info", "forecast").stdout
+            out = s.cli("plugin", "install", "forecast")
+            assert out.returncode == 0, out.stderr
+            lines = out.stdout.splitlines()
+            assert lines[0] == "Installing localm-forecast-test>=0.1 with pip"
+            assert f"  Looking in indexes: {url}" in lines
+            assert any(line.startswith("    Downloading localm_forecast_test-0.1.0-py3-none-any.whl (") for line in lines)
+            assert "  Successfully installed localm-forecast-test-0.1.0" in lines
+            assert lines[-2:] == ["Installed forecast.", "It is active."]
+            assert s.owner().get("/forecast").json() == {"sky": "clear"}
+            info = s.cli("plugin", "info", "forecast").stdout
+            assert info.startswith("forecast 1.2.0\n") and "  state:        active" in info
+        finally:
+            uninstall("localm-forecast-test")
 
 
 def test_a_package_without_the_plugin_is_removed_again(tmp_path: Path) -> None:

@@ -113,7 +113,7 @@ def start_deps_install(k: Any, name: str, owner: str) -> Any:
                 else:  # a download's bytes: a progress event a client draws as a bar
                     done, total = got
                     ctx.progress(done / total if total else None, f"Downloading {file}", unit="bytes",
-                                 done=done, total=total)
+                                 file=file, done=done, total=total or None)
         except RuntimeError as exc:
             error = str(exc)
         importlib.invalidate_caches()
