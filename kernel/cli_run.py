@@ -135,22 +135,34 @@ class Connection:
         self.http = self._client()
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self.http.request(method, path, **kwargs)
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise self._lost(exc) from None
         if response.status_code >= 400:
             raise ServerError(response.status_code, _detail(response))
         return response.json()
 
     def chunks(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The chunks of a streamed chat completion, each as soon as it arrives."""
-        with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise ServerError(response.status_code, _detail(response))
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    return
-                if line.startswith("data: "):
-                    yield json.loads(line[6:])
+        try:
+            with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise ServerError(response.status_code, _detail(response))
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        return
+                    if line.startswith("data: "):
+                        yield json.loads(line[6:])
+        except httpx.HTTPError as exc:
+            self.reset()
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: httpx.HTTPError) -> LocalmError:
+        return LocalmError(503, f"The localm server at {self.url} did not answer ({exc.__class__.__name__}"
+                                + (f": {exc}" if str(exc) else "") + "); is it still running?",
+                           code="server_not_running")
 
 
 def _detail(response: httpx.Response) -> str:

@@ -1,5 +1,5 @@
 """``localm ps``, ``show``, ``stop`` and ``cp``, with and without a running server, and their
-``--json`` output for scripts."""
+``--json`` output for scripts. The tests with a server share one (``s``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import STORE_ENV
 from localm.sdk.testing import LocalmServer
 
 MODEL = "smollm2-135m-instruct"
 
 
-def test_show(module_server: Any) -> None:
-    s = module_server()
+@pytest.fixture(scope="module")
+def s(module_server: Any) -> LocalmServer:
+    return module_server()
+
+
+def test_show(s: LocalmServer) -> None:
     out = s.cli("show", MODEL)
     assert out.returncode == 0, out.stderr
     text = out.stdout
@@ -40,8 +46,8 @@ def test_show(module_server: Any) -> None:
     assert missing.returncode == 1 and missing.stderr == "Error: Model not found: nosuch\n"
 
 
-def test_ps_and_stop(module_server: Any) -> None:
-    s = module_server()
+def test_ps_and_stop(s: LocalmServer) -> None:
+    assert s.owner().post("/v1/models/unload").status_code == 200
     assert s.cli("ps").stdout == "No model is loaded.\n"
     assert s.owner().post("/v1/models/load", params={"model": MODEL}).status_code == 200
     lines = s.cli("ps").stdout.splitlines()
@@ -52,8 +58,11 @@ def test_ps_and_stop(module_server: Any) -> None:
     assert row["active"] is True and row["size_bytes"] > 90_000_000
 
     # the route works without the ollama plugin, with a models:read key
-    key = s.cli("key", "create", "--scope", "models:read").stdout.strip()
+    made = s.cli("key", "create", "--scope", "models:read")
+    key, key_id = made.stdout.strip(), made.stderr.split()[1].rstrip(":")
     assert s.client(key).get("/api/models/loaded").json()["models"][0]["id"] == MODEL
+    assert s.client().get("/api/models/loaded").status_code == 401  # keyed now: a key is needed
+    assert s.cli("key", "revoke", key_id).returncode == 0
 
     assert s.cli("stop", MODEL).stdout == f"Stopped {MODEL}.\n"
     assert s.cli("stop", MODEL).stdout == f"{MODEL} was not loaded.\n"
@@ -71,8 +80,7 @@ def test_ps_without_a_server(tmp_path: Path) -> None:
     assert watch.returncode == 1 and "No localm server is running" in watch.stderr
 
 
-def test_cp(module_server: Any) -> None:
-    s = module_server()
+def test_cp(s: LocalmServer) -> None:
     out = s.cli("cp", MODEL, "My Copy")
     assert out.returncode == 0 and out.stdout == f"Copied {MODEL} to my-copy.\n"
     entries = {e["id"]: e for e in json.loads(s.cli("models", "--json").stdout)}
@@ -88,11 +96,26 @@ def test_cp(module_server: Any) -> None:
     assert s.cli("rm", "my-copy").returncode == 0
 
 
-def test_json_on_every_listing(module_server: Any) -> None:
-    s = module_server()
-    assert isinstance(json.loads(s.cli("models", "--json").stdout), list)
-    assert isinstance(json.loads(s.cli("ps", "--json").stdout), list)
-    assert isinstance(json.loads(s.cli("key", "list", "--json").stdout), list)
-    assert isinstance(json.loads(s.cli("jobs", "list", "--json").stdout), list)
-    assert "plugins" in json.loads(s.cli("plugin", "list", "--json").stdout)
-    assert isinstance(json.loads(s.cli("plugin", "search", "hello", "--json").stdout), list)
+def test_json_on_every_listing(s: LocalmServer) -> None:
+    """Each listing command's --json holds what its table shows, for scripts."""
+    def as_json(*args: str) -> Any:
+        out = s.cli(*args, "--json")
+        assert out.returncode == 0, (args, out.stderr)
+        return json.loads(out.stdout)
+
+    assert MODEL in [e["id"] for e in as_json("models")]
+    assert s.owner().post("/v1/models/load", params={"model": MODEL}).status_code == 200
+    assert [m["id"] for m in as_json("ps")] == [MODEL]
+    made = s.cli("key", "create", "--name", "script", "--scope", "models:read")
+    key_id = made.stderr.split()[1].rstrip(":")
+    assert [(k["id"], k["name"], k["scopes"]) for k in as_json("key", "list")] == [(key_id, "script", ["models:read"])]
+    assert s.cli("key", "revoke", key_id).returncode == 0
+    assert as_json("key", "list") == []
+    assert s.cli("plugin", "install", "jobber").returncode == 0
+    job = s.owner().post("/jobber/start", json={"steps": 1}).json()["job_id"]
+    assert job in [j["id"] for j in as_json("jobs", "list")]
+    plugins = {p["name"]: p for p in as_json("plugin", "list")["plugins"]}
+    assert plugins["jobber"]["active"] is True and plugins["chat"]["protected"] is True
+    assert [r["name"] for r in as_json("plugin", "search", "greeting")] == ["hello"]
+    assert as_json("plugin", "info", "jobber")["state"] == "active"
+    assert as_json("show", MODEL)["loaded"] is True
