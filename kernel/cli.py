@@ -992,7 +992,7 @@ def show(obj: Ctx, model: str, as_json: bool, part: str | None) -> None:
               help="Ask a reasoning model to think before answering, or not (default: the model's own).")
 @click.option("--hide-thinking", is_flag=True, help="Do not show a reasoning model's thinking.")
 @click.option("--verbose", is_flag=True, help="After each answer, show token counts and speed.")
-@click.option("--key", envvar="LOCALM_API_KEY", help="The API key to call the server with "
+@click.option("--key", envvar="LOCALM_API_KEY", metavar="KEY", help="The API key to call the server with "
               "(default: $LOCALM_API_KEY, else the running server's own token, as the owner).")
 @click.pass_obj
 def run_model(obj: Ctx, model: str | None, prompt: tuple[str, ...], system: str | None,
@@ -1037,7 +1037,12 @@ def run_model(obj: Ctx, model: str | None, prompt: tuple[str, ...], system: str 
             sys.exit(Repl(chat).run())
         if chat.ask(text).interrupted:
             sys.exit(130)
-    run(body)
+
+    try:
+        run(body)
+    except KeyboardInterrupt:  # before the answer streams (a server starting, a model loading)
+        click.echo(err=True)
+        sys.exit(130)
 
 
 def _check_model(obj: Ctx, model: str | None) -> None:

@@ -386,6 +386,9 @@ class Repl:
                         return 0
                 except LocalmError as exc:
                     click.echo(f"Error: {exc.detail}", err=True)
+                except KeyboardInterrupt:  # a /load or /show that takes long: back to the prompt
+                    self.chat.conn.reset()
+                    click.echo(click.style("\n(interrupted)", dim=self.chat.tty))
                 continue
             try:
                 answer = self.chat.ask(text)
