@@ -276,15 +276,16 @@ def test_reasoning_is_shown_dimmed_on_a_terminal_and_left_out_when_piped(s: Loca
         assert child.exitstatus == 0
         drawn = str(child.before)
         thinking, _, rest = drawn.partition(PLAIN + "\r\n\r\n")  # the thinking, a blank line, the answer
-        assert thinking.count(DIM) == 4 and rest.strip() and DIM not in rest, repr(drawn)
+        assert 1 <= thinking.count(DIM) <= 4 and rest.strip() and DIM not in rest, repr(drawn)
 
         piped = s.cli("run", MODEL, *question, input="")
         assert piped.returncode == 0 and "\x1b" not in piped.stdout
-        assert piped.stdout.strip() == rest.strip()  # exactly the answer: the thinking is left out
+        answer = rest.replace("\r\n", "\n").strip()
+        assert piped.stdout.strip() == answer  # exactly the answer: the thinking is left out
         hidden = spawn(s.data_dir, "run", MODEL, "--hide-thinking", *question)
         hidden.expect(pexpect.EOF)
         hidden.close()
-        assert DIM not in str(hidden.before) and str(hidden.before).strip() == rest.strip()
+        assert DIM not in str(hidden.before) and str(hidden.before).replace("\r\n", "\n").strip() == answer
     finally:
         assert s.cli("plugin", "uninstall", "thinker").returncode == 0
 
