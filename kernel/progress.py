@@ -200,6 +200,14 @@ class Transfers:
             if task is not None:
                 task.finish()
 
+    def settle(self) -> None:
+        """The work moved on: a transfer of unknown size has ended; one that stopped short of
+        its size did not complete, and its bar stays where it stopped."""
+        for name, task in list(self.open.items()):
+            del self.open[name]
+            if not task.total:
+                task.finish()
+
 
 class PipOutput:
     """Feeds the lines of ``pip install --progress-bar raw`` to a display: each download
@@ -214,7 +222,7 @@ class PipOutput:
     def line(self, line: str) -> None:
         progress = pip_progress(line)
         if progress is None:
-            self.transfers.finish()  # pip moved on: a download of unknown size has ended
+            self.transfers.settle()  # pip moved on: a download of unknown size has ended
             self.file = pip_download_name(line) or self.file
             self.display.log(self.prefix + line)
             self.transfers.logged(line)
@@ -223,7 +231,7 @@ class PipOutput:
         self.transfers.update(f"Downloading {self.file}", self.file, done, total or None)
 
     def close(self) -> None:
-        self.transfers.finish()
+        self.transfers.settle()
 
 
 # --- server jobs -----------------------------------------------------------------------
