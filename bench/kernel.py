@@ -11,7 +11,9 @@ It prints, in one run:
    ``localm serve --plugins ""`` and by a bare Litestar app that gives the same answers
    (same status codes, same JSON bodies: the bare app serves the bodies localm returned)
    on a socket made by the kernel's own ``bind_socket`` and under the same ``uvicorn.Config``
-   settings, with the ratio localm/bare;
+   settings, with the ratio localm/bare; and, in the same run, by ``localm serve --loop asyncio
+   --http h11`` (uvicorn's pure-Python event loop and parser), with the ratio of localm on
+   uvloop and httptools (what ``localm serve`` picks when they are installed) to it;
 2. mean ms per request for one client sending ``GET /health`` sequentially on one keep-alive
    connection, on each server;
 3. the time from starting ``localm serve`` to the server answering on its port (median of
@@ -92,17 +94,22 @@ def serve_bare(bodies_path: str, ready_path: str) -> None:
 
 # --- servers as subprocesses ------------------------------------------------------------------
 
-def localm_command(data: Path) -> list[str]:
+#: The servers measured: localm as it serves (uvloop and httptools when installed), localm on
+#: uvicorn's pure-Python loop and parser, and the bare Litestar app.
+SLOW_STACK = ["--loop", "asyncio", "--http", "h11"]
+
+
+def localm_command(data: Path, extra: list[str] | None = None) -> list[str]:
     try:  # the SDK's own command line, so the bench follows it
         from localm.sdk.testing import LocalmServer
-        return LocalmServer(data, plugins=[], host=HOST).command()
+        return LocalmServer(data, plugins=[], host=HOST, args=extra).command()
     except ImportError:  # pytest missing: the same command by hand
         return [sys.executable, "-m", "localm.kernel", "--data-dir", str(data), "serve",
-                "--host", HOST, "--port", "0", "--plugins", ""]
+                "--host", HOST, "--port", "0", *(extra or []), "--plugins", ""]
 
 
 class Server:
-    """One server subprocess: ``localm`` or ``bare``."""
+    """One server subprocess: ``localm``, ``localm-h11`` (asyncio and h11) or ``bare``."""
 
     def __init__(self, kind: str, workdir: Path, bodies: Path | None = None) -> None:
         self.kind = kind
@@ -118,9 +125,9 @@ class Server:
         self._log: Any = None
 
     def command(self) -> tuple[list[str], Path]:
-        if self.kind == "localm":
+        if self.kind in ("localm", "localm-h11"):
             data = self.workdir / "data"
-            return localm_command(data), data / "server.json"
+            return localm_command(data, SLOW_STACK if self.kind == "localm-h11" else None), data / "server.json"
         assert self.bodies is not None
         ready = self.workdir / "ready.json"
         return [sys.executable, os.path.abspath(__file__), "--serve-bare", str(self.bodies), str(ready)], ready
@@ -163,6 +170,11 @@ class Server:
             return self.log_path.read_text(errors="replace")[-4000:]
         except OSError:
             return ""
+
+    def stack(self) -> str:
+        """The event loop and HTTP parser a localm server says it runs on ("uvloop, httptools")."""
+        found = re.search(r"localm serving on .*; (\w+), (\w+)\)$", self.log(), re.M)
+        return f"{found.group(1)}, {found.group(2)}" if found else "unknown"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -322,7 +334,7 @@ def sequential_ms(port: int, path: str, headers: dict[str, str], count: int = 25
 
 def measure_throughput(args: argparse.Namespace, loadgen: Any,
                        workdir: Path) -> tuple[dict[str, dict[str, dict[str, float]]], list[str]]:
-    """{server: {route label: {"rps", "latency_ms"}}} for localm and bare, and notes."""
+    """{server: {route label: {"rps", "latency_ms"}}} for localm, localm-h11 and bare, and notes."""
     notes: list[str] = []
     servers: dict[str, Server] = {}
     try:
@@ -337,17 +349,32 @@ def measure_throughput(args: argparse.Namespace, loadgen: Any,
                                f"{bodies['config']['body']}")
         bodies_path = workdir / "bodies.json"
         bodies_path.write_text(json.dumps(bodies))
+        servers["localm-h11"] = Server("localm-h11", workdir / "localm-h11").start()
         servers["bare"] = Server("bare", workdir / "bare", bodies=bodies_path).start()
+        notes.append(f"stacks (from the start-up lines): localm {servers['localm'].stack()}, "
+                     f"localm-h11 {servers['localm-h11'].stack()}")
 
-        # Same answers on both (the bare app gets the same Authorization header, and ignores it).
+        def headers(name: str, needs_auth: bool) -> dict[str, str]:
+            """Each localm's own attach token (the bare app gets localm's, and ignores it)."""
+            server = servers[name] if name != "bare" else localm
+            return {"Authorization": f"Bearer {server.token}"} if needs_auth else {}
+
+        def same(name: str, key: str, body: Any) -> bool:
+            """The bodies match; another localm process reports its own instance id and port."""
+            want = bodies[key]["body"]
+            if name == "localm-h11" and key == "config" and isinstance(body, dict):
+                body = {**body, "instance_id": want.get("instance_id"), "instance_port": want.get("instance_port")}
+            return bool(body == want)
+
+        # Same answers on all.
         for label, path, key, needs_auth in ROUTES:
             for name, server in servers.items():
-                status, body = http_get(server.port, path, headers=auth if needs_auth else {})
-                if status != bodies[key]["status"] or json.loads(body) != bodies[key]["body"]:
+                status, body = http_get(server.port, path, headers=headers(name, needs_auth))
+                if status != bodies[key]["status"] or not same(name, key, json.loads(body)):
                     notes.append(f"MISMATCH {name} {label}: {status} {body[:200]!r} (localm: {bodies[key]})")
         if not notes:
             notes.append(f"answers match: /health {bodies['health']['status']}, /v1/config "
-                         f"{bodies['config']['status']}, same JSON bodies on localm and bare")
+                         f"{bodies['config']['status']}, same JSON bodies on localm, localm-h11 and bare")
 
         sequential = {name: sequential_ms(server.port, "/health", {}) for name, server in servers.items()}
         notes.append("one client, sequential keep-alive GET /health: "
@@ -355,14 +382,14 @@ def measure_throughput(args: argparse.Namespace, loadgen: Any,
 
         for name, server in servers.items():  # warm up: lazy imports, caches, first-call paths
             for label, path, key, needs_auth in ROUTES:
-                loadgen.run(server.port, path, auth if needs_auth else {}, args.warmup)
+                loadgen.run(server.port, path, headers(name, needs_auth), args.warmup)
 
         results: dict[str, dict[str, dict[str, float]]] = {name: {} for name in servers}
         for label, path, key, needs_auth in ROUTES:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
             for _ in range(args.rounds):  # alternate servers so drift hits all alike
                 for name, server in servers.items():
-                    result = loadgen.run(server.port, path, auth if needs_auth else {}, args.duration)
+                    result = loadgen.run(server.port, path, headers(name, needs_auth), args.duration)
                     if result["errors"]:
                         notes.append(f"{name} {label}: {result['errors']} socket errors")
                     if result["non2xx"] and bodies[key]["status"] < 400:
@@ -408,6 +435,13 @@ def print_table(results: dict[str, dict[str, dict[str, float]]]) -> None:
     print(f"{'route':<16}{'localm req/s':>13}{'bare req/s':>12}{'ratio':>7}{'localm ms':>11}{'bare ms':>9}")
     for label, *_ in ROUTES:
         a, b = results["localm"][label], results["bare"][label]
+        ratio = a["rps"] / b["rps"] if b["rps"] else float("nan")
+        print(f"{label:<16}{a['rps']:>13.0f}{b['rps']:>12.0f}{ratio:>7.2f}"
+              f"{a['latency_ms']:>11.2f}{b['latency_ms']:>9.2f}")
+    print("localm on its event loop and parser against localm --loop asyncio --http h11 (same run):")
+    print(f"{'route':<16}{'localm req/s':>13}{'h11 req/s':>12}{'ratio':>7}{'localm ms':>11}{'h11 ms':>9}")
+    for label, *_ in ROUTES:
+        a, b = results["localm"][label], results["localm-h11"][label]
         ratio = a["rps"] / b["rps"] if b["rps"] else float("nan")
         print(f"{label:<16}{a['rps']:>13.0f}{b['rps']:>12.0f}{ratio:>7.2f}"
               f"{a['latency_ms']:>11.2f}{b['latency_ms']:>9.2f}")

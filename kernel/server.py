@@ -1,9 +1,10 @@
-"""``localm serve``: bind the port (moving to the next free one when busy), run uvicorn,
-and restart in place when asked to."""
+"""``localm serve``: bind the port (moving to the next free one when busy), run uvicorn
+(on uvloop and httptools where they are installed), and restart in place when asked to."""
 
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import os
 import socket
@@ -18,6 +19,24 @@ from .runtime import Kernel
 log = logging.getLogger("localm")
 
 PORT_TRIES = 50
+#: The event loops and HTTP parsers uvicorn can run on; "auto" takes the first one installed.
+LOOPS = ("uvloop", "asyncio")
+PARSERS = ("httptools", "h11")
+
+
+def pick(kind: str, wanted: str) -> str:
+    """The event loop (``kind`` "loop") or HTTP parser ("http") to serve with: ``wanted``, or
+    for "auto" the fastest one installed. A named one that is not installed is refused."""
+    choices = LOOPS if kind == "loop" else PARSERS
+    if wanted == "auto":
+        return next(name for name in choices if name in ("asyncio", "h11") or importlib.util.find_spec(name))
+    if wanted not in choices:
+        raise ValueError(f"--{kind} must be auto, {' or '.join(choices)}")
+    if wanted not in ("asyncio", "h11") and importlib.util.find_spec(wanted) is None:
+        fallback = choices[-1]
+        raise ValueError(f"--{kind} {wanted}: {wanted} is not installed (pip install {wanted}), "
+                         f"or use --{kind} {fallback}")
+    return wanted
 
 
 def bind_socket(host: str, port: int, *, bump: bool, wait: float = 0.0) -> socket.socket:
@@ -49,7 +68,8 @@ def bind_socket(host: str, port: int, *, bump: bool, wait: float = 0.0) -> socke
 
 
 def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model: str | None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", loop: str = "auto", http: str = "auto") -> None:
+    loop, http = pick("loop", loop), pick("http", http)
     restart_port = os.environ.pop("LOCALM_RESTART_PORT", None)
     if restart_port:
         sock = bind_socket(host, int(restart_port), bump=False, wait=10.0)
@@ -60,7 +80,7 @@ def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model
         print(f"localm: port {port} is busy; serving on {actual} instead", file=sys.stderr, flush=True)
     kernel = Kernel(data_dir, bind_host=host, port=actual, only=only, model=model)
     config = uvicorn.Config(kernel.asgi, lifespan="on", log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, log_config=None, server_header=False)
+                            timeout_graceful_shutdown=5, log_config=None, server_header=False, loop=loop, http=http)
     server = uvicorn.Server(config)
     restart = [False]
 
@@ -75,8 +95,8 @@ def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual}"
         active = [p.name for p in kernel.plugins.plugins.values() if p.active]
         print(f"localm {'restarted' if restart_port else 'serving'} on {url} "
-              f"(data: {kernel.data_dir}; plugins: {', '.join(sorted(active)) or 'none'})", file=sys.stderr,
-              flush=True)
+              f"(data: {kernel.data_dir}; plugins: {', '.join(sorted(active)) or 'none'}; {loop}, {http})",
+              file=sys.stderr, flush=True)
 
     kernel.on_ready = announce
     try:

@@ -66,6 +66,7 @@ ROUTES = [
     R("GET", "/metrics", "admin"),
     R("GET", "/v1/models", "models:read", access="open_read", own_status=200),
     R("GET", "/v1/models/nope", "models:read", access="open_read", own_status=404),
+    R("GET", "/api/models/loaded", "models:read", access="open_read", own_status=200),
     R("POST", "/v1/models/load?model=nope", "models:write"),
     R("POST", "/v1/models/unload?model=nope", "models:write"),
     R("POST", "/v1/models/rename?model=nope&new_name=x", "models:write"),

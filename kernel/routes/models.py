@@ -1,4 +1,4 @@
-"""GET /v1/models, GET /v1/models/{id}; POST /v1/models/load, /unload, /rename."""
+"""GET /v1/models, GET /v1/models/{id}; POST /v1/models/load, /unload, /rename; GET /api/models/loaded."""
 
 from __future__ import annotations
 
@@ -74,4 +74,21 @@ async def rename_model(request: Request, model: str, new_name: str) -> dict[str,
     return kernel_of(request).models.rename(model, new_name)
 
 
-ROUTES = [list_models, read_model, load_model, unload_model, rename_model]
+@get("/api/models/loaded", scope="models:read", access="open_read",
+     summary="The loaded models: size, engine, slots, requests and how long they stay loaded")
+async def loaded_models(request: Request) -> dict[str, Any]:
+    """What ``localm ps`` shows. A model stays loaded until it is unloaded (``until`` is null):
+    localm has no idle timer. ``slots`` is how many requests the engine runs at once."""
+    k = kernel_of(request)
+    out = []
+    for resident in list(k.models.resident.values()):
+        entry, engine = resident.entry, resident.engine
+        out.append({"id": entry.id, "role": entry.role, "size_bytes": entry.size_bytes, "engine": engine.engine,
+                    "context_window": engine.capabilities.context_window, "active": k.models.active == entry.id,
+                    "slots": int(getattr(engine, "slots", 1) or 1), "busy": engine.busy,
+                    "in_flight": resident.in_flight, "unloading": resident.unloading,
+                    "loaded_at": resident.loaded_at, "until": None})
+    return {"models": out}
+
+
+ROUTES = [list_models, read_model, load_model, unload_model, rename_model, loaded_models]

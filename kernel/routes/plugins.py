@@ -125,9 +125,17 @@ def start_deps_install(k: Any, name: str, owner: str) -> Any:
             return {"ok": True, "installed": [], "failed": []}
         ctx.log("Installing: " + " ".join(wanted))
         error = None
+        file = "a file"
         try:
-            async for line in deps.pip_install(wanted, p.manifest.pip_env if p.manifest else None):
-                ctx.log(line)
+            async for line in deps.pip_install(wanted, p.manifest.pip_env if p.manifest else None, progress=True):
+                got = deps.pip_progress(line)
+                if got is None:
+                    file = deps.pip_download_name(line) or file
+                    ctx.log(line)
+                else:  # a download's bytes: a progress event a client draws as a bar
+                    done, total = got
+                    ctx.progress(done / total if total else None, f"Downloading {file}", unit="bytes",
+                                 file=file, done=done, total=total or None)
         except RuntimeError as exc:
             error = str(exc)
         importlib.invalidate_caches()
