@@ -85,9 +85,9 @@ def read_body(body: Any) -> Asked:
 def check_language(entry: Any, language: str | None) -> None:
     if language is None:
         return
-    spoken = (entry.capabilities.get("language") or entry.capabilities.get("voice") or "").lower()
+    spoken = entry.capabilities.get("language") or entry.capabilities.get("voice") or ""
     code = LANGUAGE_NAMES.get(language.strip().lower(), language.strip().lower()).replace("_", "-")
-    if not spoken or spoken.replace("_", "-").split("-")[0] != code.split("-")[0]:
+    if not spoken or spoken.lower().replace("_", "-").split("-")[0] != code.split("-")[0]:
         raise bad(f"{entry.id} speaks {spoken or 'one language'}: language {language!r} is not spoken by it",
                   "language")
 

@@ -18,7 +18,7 @@ MAX_FILE = 25 * MiB
 MAX_FIELD = 64 * 1024
 MAX_PARTS = 64
 #: The whole body: the file, the other fields and the multipart framing.
-MAX_BODY = MAX_FILE + MiB
+MAX_BODY = MAX_FILE + 256 * 1024
 
 
 @attrs.frozen
