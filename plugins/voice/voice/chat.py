@@ -1,0 +1,78 @@
+"""Spoken questions in any chat: the ``chat_inlet`` hook.
+
+An ``input_audio`` content part (``{"type": "input_audio", "input_audio": {"data":
+"<base64>", "format": "wav"}}``, on /v1/chat/completions and on the Responses route, which
+translates its own) sent to a model that cannot hear is transcribed by Whisper, and the
+transcript takes the part's place as text: the model answers what was said. The response
+says so in ``X-Localm-Transcribed-Audio``; a streamed one also gets a ``transcribing``
+status. A model that hears audio (``audio_input`` in the registry) gets the clip as sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from localm import sdk
+
+from .engine import Options
+
+#: An encoded clip in a chat may be this large (base64 decoded), as for models that hear.
+MAX_CHAT_AUDIO = 50 * 1024 * 1024
+
+
+def audio_parts(messages: Any) -> list[tuple[int, int]]:
+    """(message index, part index) of every input_audio part."""
+    if not isinstance(messages, list):
+        return []
+    return [(i, j) for i, m in enumerate(messages) if isinstance(m, dict) and isinstance(m.get("content"), list)
+            for j, p in enumerate(m["content"]) if isinstance(p, dict) and p.get("type") == "input_audio"]
+
+
+def hears(host: Any, model: Any) -> bool:
+    """Whether the model the request names takes audio itself (an unknown one is left to chat)."""
+    try:
+        entry = host.models.resolve(model if isinstance(model, str) else None)
+    except sdk.LocalmError:
+        return True  # chat refuses the unknown model as it would without audio
+    return bool(entry.capabilities.get("audio_input"))
+
+
+def clip(part: dict[str, Any], where: str) -> bytes:
+    audio = part.get("input_audio")
+    data = audio.get("data") if isinstance(audio, dict) else None
+    if not isinstance(data, str) or not data:
+        raise sdk.LocalmError(400, f"{where}.input_audio must be an object with data (base64) and format",
+                              code="invalid_audio")
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    if len(data) * 3 // 4 > MAX_CHAT_AUDIO:
+        raise sdk.LocalmError(413, f"{where}: the clip is larger than {MAX_CHAT_AUDIO // (1024 * 1024)} MB",
+                              code="file_too_large")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise sdk.LocalmError(400, f"{where}.input_audio.data is not valid base64", code="invalid_audio") from None
+
+
+async def inlet(voice: Any, request: dict[str, Any], context: Any) -> dict[str, Any] | None:
+    found = audio_parts(request.get("messages"))
+    if not found or not voice.settings.get("chat_audio", True) or hears(context.host, request.get("model")):
+        return None
+    caller = context.caller
+    if caller is not None and caller.kind != "open" and not caller.has("voice"):
+        raise sdk.LocalmError(403, "Audio in a chat is transcribed by the voice plugin, which needs the voice scope",
+                              code="missing_scope")
+    entry = await voice.resolve(None)
+    context.status("transcribing", f"Transcribing {len(found)} audio clip{'s' * (len(found) > 1)}")
+    messages = [dict(m) if isinstance(m, dict) else m for m in request["messages"]]
+    seconds = 0.0
+    for i, j in found:
+        where = f"messages[{i}].content[{j}]"
+        content = messages[i]["content"] = list(messages[i]["content"])
+        _, transcript = await voice.transcribe(clip(content[j], where), Options(), entry=entry)
+        seconds += transcript.duration
+        content[j] = {"type": "text", "text": transcript.text}
+    context.header("X-Localm-Transcribed-Audio", f'parts={len(found)}; seconds={seconds:.1f}; model="{entry.id}"')
+    return {**request, "messages": messages}
