@@ -367,9 +367,6 @@ def test_a_client_that_leaves_cancels_its_queued_transcription_and_chat_goes_on(
     assert match(FOX * 20, first["text"]) >= 0.8
 
 
-@pytest.mark.xfail(strict=True, reason="the chat plugin refuses input_audio parts while reading the request, "
-                                       "before the chat_inlet hooks run; it must refuse them after the hooks, "
-                                       "so the voice plugin can put the transcript in their place")
 def test_a_spoken_question_in_a_chat_is_answered_by_smollm2(srv: LocalmServer, client: openai.OpenAI) -> None:
     question = client.audio.speech.create(model="tts-1", voice="default", input="What is the capital of France?",
                                           response_format="wav").read()

@@ -155,6 +155,8 @@ class Chain:
     """One request's chat hooks: each implementation with its plugin's view of the context."""
 
     def __init__(self, host: Any, *, route: str, streamed: bool, caller: Any) -> None:
+        #: where the request (as the inlet hooks left it) holds image or audio parts
+        self.media: list[str] = []
         self.shared = _Shared(host, route, streamed, caller)
         self.context = ChatContext(self.shared)
         views: dict[str, ChatContext] = {}

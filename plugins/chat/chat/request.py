@@ -39,6 +39,9 @@ class Reader:
             raise Invalid([{"key": "body", "message": "must be a JSON object"}])
         self.body = body
         self.errors: list[dict[str, str]] = []
+        #: where the messages hold image or audio parts: a chat plugin may turn them into text
+        #: (a transcript), and what is left is refused once the model is known
+        self.media: list[str] = []
 
     def get(self, key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
         value = self.body.get(key, default)
@@ -138,7 +141,7 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
                 if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                     parts.append(part["text"])
                 elif isinstance(part, dict) and part.get("type") in ("image_url", "input_audio"):
-                    raise sdk.LocalmError(400, f"messages[{i}].content[{j}]: this model takes text only")
+                    r.media.append(f"messages[{i}].content[{j}]")
                 else:
                     r.errors.append({"key": f"messages[{i}].content[{j}]", "message": "must be a text part"})
             content = "".join(parts)

@@ -372,6 +372,7 @@ class ChatService:
         r = Reader(body)
         parsed = read(r)
         r.done()
+        media = r.media
         caller = sdk.caller(request) if request is not None else None
         chain = hooks.Chain(self.host, route=route, streamed=parsed[0].stream, caller=caller)
 
@@ -380,7 +381,8 @@ class ChatService:
 
         hooked, changed_by, checked = await chain.inlet(self._hooked(body, extra, kind, chain), check)
         if changed_by:
-            parsed = checked
+            parsed, media = checked
+        chain.media = media
         steering = await self._interventions(hooked, parsed[0])
         headers = self._fields(kind, body, request, request_headers, report, ignored, chain, steering)
         self._check_stream(parsed[-1], parsed[0], chain)
@@ -417,7 +419,7 @@ class ChatService:
                 raise sdk.LocalmError(exc.status, f"The {plugin} plugin changed the model to {out[0].model!r}: "
                                                   f"{exc.detail}", code=exc.code) from None
         common = attrs.evolve(out[0], stream=before.stream, include_usage=before.include_usage)
-        return (common, *out[1:])
+        return (common, *out[1:]), r.media
 
     async def _interventions(self, body: dict[str, Any], common: Common) -> Interventions:
         """Ask the forward_interventions hook for this request's steering (before any load)."""
@@ -494,8 +496,10 @@ class ChatService:
         async with host.models.use(entry.id) as resident:
             engine = resident.engine
             caps = engine.capabilities
-            if caps.messages:
+            if caps.messages:  # it gets the request itself, images and audio included
                 return self._prepare_messages(entry, engine, common, options, headers, received, chain, steering)
+            if chain.media:
+                raise sdk.LocalmError(400, f"{chain.media[0]}: this model takes text only")
             constraint = options.constraint()
             if constraint is not None:
                 if not caps.grammar:
