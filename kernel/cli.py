@@ -205,6 +205,8 @@ def plugin_list(obj: Ctx, as_json: bool) -> None:
             state = ("active" if p["active"] else "enabled" if p["enabled"] else
                      "installed" if p["installed"] else "available")
             notes = []
+            if p.get("type") and p.get("group") == "Open WebUI Functions":
+                notes.append(f"Open WebUI {p['type']}")
             if p["missing_deps"]:
                 notes.append("missing deps: " + ", ".join(p["missing_deps"]))
             if p["missing_requires"]:
@@ -497,6 +499,41 @@ def plugin_refresh(obj: Ctx, name: str | None) -> None:
             return
         out = obj.server.call("POST", f"/api/plugins/{name}/refresh" if name else "/api/plugins/refresh")
         click.echo(json.dumps(out, indent=2))
+    run(body)
+
+
+@plugin.command("settings")
+@click.argument("name", shell_complete=lambda ctx, param, incomplete: _complete_plugins(ctx, incomplete))
+@click.argument("assignments", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option("--json", "as_json", is_flag=True, help="Print the fields as JSON.")
+@click.pass_obj
+def plugin_settings(obj: Ctx, name: str, assignments: tuple[str, ...], as_json: bool) -> None:
+    """Show an active plugin's settings (an Open WebUI Function's Valves), or set them:
+    KEY=VALUE reads VALUE as JSON when it parses (true, 3, '["a"]'), else as a string; an
+    empty VALUE resets the setting to its default."""
+    def body() -> None:
+        server = _running(obj)
+        if assignments:
+            updates: dict[str, Any] = {}
+            for item in assignments:
+                key, sep, raw = item.partition("=")
+                if not sep or not key:
+                    fail(f"{item!r} is not KEY=VALUE")
+                try:
+                    updates[key] = json.loads(raw) if raw else None
+                except ValueError:
+                    updates[key] = raw
+            fields = server.call("POST", f"/v1/plugins/{name}/settings", json=updates)["fields"]
+        else:
+            found = [p for p in server.call("GET", "/v1/plugins/settings")["plugins"] if p["plugin"] == name]
+            if not found:
+                fail(f"No active plugin named {name} has settings")
+            fields = found[0]["fields"]
+        if as_json:
+            click.echo(json.dumps(fields, indent=2))
+            return
+        for f in fields:
+            click.echo(f"{f['key']} = {json.dumps(f['value'])}  ({f['type']}; {f['description'] or 'no description'})")
     run(body)
 
 

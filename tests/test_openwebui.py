@@ -171,6 +171,21 @@ def test_a_function_that_cannot_load_is_reported_and_the_server_keeps_serving(
     assert again.status_code == 400 and "already installed" in again.json()["detail"]
 
 
+def test_a_functions_requirements_wait_for_install_deps(server: Any, owner: httpx.Client) -> None:
+    source = (HERE / "second_stamp.py").read_text().replace(
+        'version: 0.3\n', 'version: 0.3\nrequirements: localm-test-absent-package>=1, requests\n')
+    done = owner.post("/api/plugins/install-external", json={"content": source, "id": "needs_a_package"})
+    assert done.status_code == 200, done.text
+    try:
+        [entry] = [p for p in owner.get("/api/plugins").json()["plugins"] if p["name"] == "needs_a_package"]
+        assert entry["requirements"] == ["localm-test-absent-package>=1", "requests"]
+        assert entry["missing_deps"] == ["localm-test-absent-package>=1"] and entry["active"] is False
+        listed = server.cli("plugin", "list")
+        assert "needs_a_package" in listed.stdout
+    finally:
+        assert owner.post("/api/plugins/needs_a_package/uninstall").status_code == 200
+
+
 def test_an_export_installs_several_functions_with_their_valves(server: Any, owner: httpx.Client,
                                                                 clients: dict[str, Any]) -> None:
     export = [{"id": "Export_Stamp", "name": "Export Stamp", "type": "filter",
@@ -414,6 +429,13 @@ def test_pipes_are_models_on_every_surface(server: Any, owner: httpx.Client, cli
     refused = owner.post("/v1/chat/completions", json={"model": "tool_pipes.echo", "messages": hello,
                                                        "logprobs": True})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "field_not_honoured"
+    # a pipe gets the request itself, images included; a text-only model refuses them
+    pixel = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+    seeing = [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                           {"type": "image_url", "image_url": {"url": pixel}}]}]
+    assert say(clients, "openai", seeing, model="tool_pipes.echo") == "echo: what is this" + end
+    refused = owner.post("/v1/chat/completions", json={"model": MODEL, "messages": seeing})
+    assert refused.status_code == 400 and "messages[0].content[1]: this model takes text only" in refused.text
 
 
 def test_a_proxy_pipe_answers_through_another_server(upstream: Any, owner: httpx.Client,

@@ -66,15 +66,18 @@ class Events:
         self.fid = fid
         self.context = context
         self.pending: list[tuple[str, str]] = []
-        if record is None:
-            record = []
-            if context is not None:
-                found = context.fields.get("localm_events")
-                if isinstance(found, list):
-                    record = found
-                else:
-                    context.field("localm_events", record)
-        self.record = record
+        self.record: list[dict[str, Any]] = [] if record is None else record
+        self._listed = context is None  # the record joins the response with the first event
+
+    def _list(self) -> None:
+        if not self._listed:
+            found = self.context.fields.get("localm_events")
+            if isinstance(found, list):
+                found.extend(self.record)
+                self.record = found
+            else:
+                self.context.field("localm_events", self.record)
+            self._listed = True
 
     async def __call__(self, event: Any) -> None:
         self.emit(event)
@@ -87,6 +90,7 @@ class Events:
         if kind is None and "description" in event:  # a status sent without its type, as some Functions do
             kind, data = "status", event
         data = data or {}
+        self._list()
         self.record.append({"function": self.fid, "type": kind, "data": valves.jsonable(data)})
         if kind == "status":
             text = data.get("description")
