@@ -353,6 +353,28 @@ def test_a_stream_filter_rewrites_the_streamed_text(server: Any, clients: dict[s
     assert said.startswith(generated.upper()[:4])
 
 
+def test_a_stream_filter_that_raises_ends_the_stream_in_band(server: Any, owner: httpx.Client,
+                                                            clients: dict[str, Any]) -> None:
+    assert valves(owner, "shout_stream", give_up_after=3).status_code == 200
+    try:
+        for _ in range(2):  # the count is each reply's own, so both give up at the same chunk
+            with httpx.Client(base_url=server.url, timeout=120,
+                              headers={"Authorization": f"Bearer {server.token}"}) as h, h.stream(
+                    "POST", "/v1/chat/completions", json={"model": MODEL, "max_tokens": 12, "stream": True,
+                                                          "messages": [{"role": "user", "content": "Tell a story"}]}
+            ) as r:
+                assert r.status_code == 200
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")
+                        and c["choices"][0].get("finish_reason")]
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+            assert finishes == ["error"] and "Shout gave up after 3 chunks" in text
+        # a whole reply has no stream calls
+        assert say(clients, "openai", [{"role": "user", "content": "Tell a story"}], max_tokens=12)
+    finally:
+        valves(owner, "shout_stream", give_up_after=None)
+
+
 def test_a_slow_sync_filter_runs_off_the_event_loop(server: Any, owner: httpx.Client) -> None:
     assert valves(owner, "shout_stream", delay_ms=400).status_code == 200
     events: list[str] = []
