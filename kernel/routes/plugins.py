@@ -84,8 +84,8 @@ async def install_external(request: Request) -> dict[str, Any]:
     if not isinstance(force, bool) or (fid is not None and not isinstance(fid, str)):
         raise LocalmError(400, "force must be a boolean and id a string")
     if (source is None) == (content is None):
-        raise LocalmError(400, "Give either source (a folder, a .py Function or a .json export) or content "
-                               "(a Function's source)")
+        raise LocalmError(400, "source must be given (a plugin folder, a .py Open WebUI Function or a .json "
+                               "export), or content (a Function's source), not both")
     if content is not None or (isinstance(source, str) and Path(source).expanduser().is_file()):
         found = k.plugins.read_functions(source, content=content, fid=fid)
         names = k.plugins.install_functions(found, force=force)

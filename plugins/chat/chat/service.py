@@ -37,7 +37,7 @@ import attrs
 from localm import sdk
 from localm.sdk import engines as spec
 
-from . import constrained, fields, hooks, pipeline
+from . import compaction, constrained, fields, hooks, pipeline
 from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
@@ -257,6 +257,7 @@ class ChatService:
 
     def __init__(self, host: Any) -> None:
         self.host = host
+        self.compactor = compaction.Compactor()
 
     @staticmethod
     def usage(outcome: pipeline.Outcome, *, timings: bool = True, capacity: bool = True) -> dict[str, Any]:
@@ -270,7 +271,7 @@ class ChatService:
 
     async def chat(self, body: dict[str, Any], *, route: str = "chat.completions", request: Any = None,
                    report: bool | None = None, ignored: list[str] | None = None, extra: dict[str, Any] | None = None,
-                   request_headers: Any = None, received: float | None = None) -> Generation:
+                   request_headers: Any = None, received: float | None = None, compact: bool = True) -> Generation:
         """Prepare a chat generation from an OpenAI chat-completions ``body``.
 
         ``route`` names the surface to the chat hooks (``context.route``). ``request`` is the
@@ -281,6 +282,8 @@ class ChatService:
         ``extra`` holds the client's fields the surface did not read: the inlet hooks see
         them in the request, and a hook that claims one takes it off the report.
         ``request_headers`` (the older spelling) turns the report on with those headers.
+        A conversation too long for the model's window is compacted (``compact=False``:
+        refused with a 413 instead).
         """
         received = time.perf_counter() if received is None else received
 
@@ -294,8 +297,25 @@ class ChatService:
         def render(engine: Any) -> tuple[list[int], bool]:
             return chat_tokens(engine, messages, tools=options.tools, thinking=options.thinking)
 
-        generation = await self._prepare(common, options, render, headers, received, chain, steering)
-        generation.messages = messages
+        compacted: list[list[dict[str, Any]]] = []
+
+        async def fit(engine: Any, entry: Any, window: int, room: int) -> tuple[list[int], bool] | None:
+            """The prompt of the conversation compacted to fit (None: nothing to compact)."""
+            chain.context.status("compacting", "Compacting: older messages are being summarised to fit the "
+                                               "context window")
+            found = await self.compactor.fit(engine, entry.id, messages, tools=options.tools,
+                                             thinking=options.thinking, window=window, room=room)
+            if found is None:
+                chain.statuses()  # nothing was compacted after all
+                return None
+            prompt, opened, shorter = found
+            compacted.append(shorter)
+            headers["X-Localm-Context-Compacted"] = "1"
+            return prompt, opened
+
+        generation = await self._prepare(common, options, render, headers, received, chain, steering,
+                                         fit=fit if compact else None)
+        generation.messages = compacted[0] if compacted else messages
         return generation
 
     async def complete(self, body: dict[str, Any], *, route: str = "completions", request: Any = None,
@@ -359,7 +379,7 @@ class ChatService:
                            request: Any = None, extra: dict[str, Any] | None = None) -> int:
         """The prompt tokens a chat ``body`` would take (its messages, tools and template, after
         the chat_inlet hooks), loading the model that would answer it."""
-        generation = await self.chat(body, route=route, request=request, extra=extra)
+        generation = await self.chat(body, route=route, request=request, extra=extra, compact=False)
         return len(generation.prompt)
 
     # --- the steps of chat and complete -------------------------------------------------------
@@ -488,7 +508,8 @@ class ChatService:
                           chain=chain, extra=shared.fields)
 
     async def _prepare(self, common: Common, options: Options, render: Any, headers: dict[str, str],
-                       received: float, chain: hooks.Chain, steering: Interventions) -> Generation:
+                       received: float, chain: hooks.Chain, steering: Interventions,
+                       fit: Any = None) -> Generation:
         host = self.host
         entry = host.models.resolve(common.model)
         if entry.role == "reranker":  # refused before it loads (and unloads another reranker)
@@ -514,7 +535,13 @@ class ChatService:
                                       code="field_not_honoured", field=min(steering.fields) if steering.fields
                                       else "steering")
             prompt, opened = render(engine)
-            pipeline.check_fits(len(prompt), caps.context_window)
+            window = caps.context_window
+            room = compaction.reply_room(common.sampling.max_tokens, window)
+            if fit is not None and len(prompt) + room > window:  # too long for the model: compact it
+                shorter = await fit(engine, entry, window, room)
+                if shorter is not None:
+                    prompt, opened = shorter
+            pipeline.check_fits(len(prompt), window)
         plan = pipeline.Plan(constraint=constraint, logprobs=options.logprobs, tools=options.tools,
                              reasoning=caps.reasoning and options.thinking is not False, thinking_open=opened,
                              interventions=tuple(steering.items), reads=tuple(r for r, _ in steering.reads))
