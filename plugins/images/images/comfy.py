@@ -123,6 +123,8 @@ class Comfy:
         self.launched_url: str | None = None
         self.launched_dirs: dict[str, Path] = {}
         self.stopping = False
+        self.ready = False  # the launched ComfyUI has answered
+        self.ready_by = 0.0
         self.exit_note: str | None = None  # why the launched ComfyUI is gone, when it died on its own
         self._start_lock = asyncio.Lock()
         self._log_file: Any = None
@@ -154,6 +156,20 @@ class Comfy:
         configured = (self.settings.get("comfy_output_dir") or "").strip()
         return Path(configured).expanduser() if configured else None
 
+    def file_of(self, image: dict[str, Any]) -> Path | None:
+        """Where an image ComfyUI reported lies on this machine, when localm knows."""
+        kind = image.get("type") or "output"
+        if kind == "output":
+            root = self.output_dir()
+        elif kind == "temp" and self.external_url() is None and "temp" in self.launched_dirs:
+            root = self.launched_dirs["temp"] / "temp"  # --temp-directory X writes into X/temp
+        else:
+            root = None
+        if root is None:
+            return None
+        path = (root / (image.get("subfolder") or "") / image["filename"]).resolve()
+        return path if path.is_relative_to(root.resolve()) else None
+
     def _crash_note(self) -> str | None:
         if self.proc is not None and self.proc.poll() is not None and not self.stopping:
             if self.exit_note is None:
@@ -184,7 +200,7 @@ class Comfy:
         note = self._crash_note()
         if note is not None:
             raise Down(note)
-        if self.launched_by_localm and self.launched_url is not None:
+        if self.launched_by_localm and self.launched_url is not None and self.ready:
             return self.launched_url
         if not launch:
             raise Down("ComfyUI is not running")
@@ -245,40 +261,49 @@ class Comfy:
         return cmd, path
 
     async def start(self) -> str:
+        """Start ComfyUI (unless it is starting or running already) and wait until it answers."""
         async with self._start_lock:
             if self.launched_by_localm and self.launched_url is not None:
-                return self.launched_url
-            port = _free_port()
-            cmd, cwd = self._command(port)
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith("LOCALM_") and k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-            self.run_dir().mkdir(parents=True, exist_ok=True)
-            if self._log_file is not None:
-                self._log_file.close()
-            self._log_file = open(self.run_dir() / "comfy.log", "wb")
-            self.stopping, self.exit_note = False, None
-            try:
-                self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-            except OSError as exc:
-                self.proc = None
-                raise Down(f"Could not start ComfyUI with {cmd[0]}: {exc}") from exc
-            url = f"http://127.0.0.1:{port}"
-            self.launched_url = url
-            log.info("starting ComfyUI (pid %s) on %s", self.proc.pid, url)
-            deadline = time.monotonic() + float(self.settings.get("start_timeout") or 120)
-            while time.monotonic() < deadline:
+                if self.ready:
+                    return self.launched_url
+            else:
+                self._spawn()
+            assert self.proc is not None and self.launched_url is not None
+            url = self.launched_url
+            while time.monotonic() < self.ready_by:
                 if self.proc.poll() is not None:
                     code = self.proc.returncode
                     self.proc, self.launched_url = None, None
                     raise Down(f"ComfyUI exited with code {code} while starting." + self._log_tail())
                 if await self.alive(url):
+                    self.ready = True
                     log.info("ComfyUI is up on %s", url)
                     return url
                 await asyncio.sleep(0.25)
             await self._terminate()
             raise sdk.LocalmError(504, "ComfyUI did not start within start_timeout seconds." + self._log_tail(),
                                   code="comfy_start_timeout")
+
+    def _spawn(self) -> None:
+        port = _free_port()
+        cmd, cwd = self._command(port)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("LOCALM_") and k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+        self.run_dir().mkdir(parents=True, exist_ok=True)
+        if self._log_file is not None:
+            self._log_file.close()
+        self._log_file = open(self.run_dir() / "comfy.log", "wb")
+        self.stopping, self.exit_note, self.ready = False, None, False
+        try:
+            # spawned from the event loop's thread, which lives as long as the server
+            self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        except OSError as exc:
+            self.proc = None
+            raise Down(f"Could not start ComfyUI with {cmd[0]}: {exc}") from exc
+        self.launched_url = f"http://127.0.0.1:{port}"
+        self.ready_by = time.monotonic() + float(self.settings.get("start_timeout") or 120)
+        log.info("starting ComfyUI (pid %s) on %s", self.proc.pid, self.launched_url)
 
     async def _terminate(self) -> bool:
         proc = self.proc
@@ -295,7 +320,7 @@ class Comfy:
                 proc.kill()
                 while proc.poll() is None:
                     await asyncio.sleep(0.05)
-        self.proc, self.launched_url, self.exit_note = None, None, None
+        self.proc, self.launched_url, self.exit_note, self.ready = None, None, None, False
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -354,14 +379,13 @@ class Comfy:
     async def forget(self, url: str, prompt_id: str) -> None:
         await self._post(url, "/history", {"delete": [prompt_id]})
 
-    async def run(self, url: str, graph: dict[str, Any], *, timeout: float,
+    async def run(self, url: str, graph: dict[str, Any], *, timeout: float, prompt_id: str,
                   on_event: Callable[[str, dict[str, Any]], Awaitable[None] | None]) -> Run:
-        """Run one graph to its end; its outputs are in the returned Run."""
+        """Run one graph (as ``prompt_id``) to its end; its outputs are in the returned Run."""
         from websockets.asyncio.client import connect
         from websockets.exceptions import ConnectionClosed, WebSocketException
 
         client_id = uuid.uuid4().hex
-        prompt_id = str(uuid.uuid4())
         parts = urlsplit(url)
         ws_url = f"{'wss' if parts.scheme == 'https' else 'ws'}://{parts.netloc}{parts.path}/ws?clientId={client_id}"
         try:

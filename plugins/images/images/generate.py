@@ -16,6 +16,7 @@ import logging
 import random
 import secrets
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,14 +278,6 @@ def _pick(run: Run) -> dict[str, Any]:
     return saved[0]
 
 
-def _comfy_file(state: Images, image: dict[str, Any]) -> Path | None:
-    root = state.comfy.output_dir() if image.get("type", "output") == "output" else None
-    if root is None:
-        return None
-    path = (root / (image.get("subfolder") or "") / image["filename"]).resolve()
-    return path if path.is_relative_to(root.resolve()) else None
-
-
 async def run_job(state: Images, ctx: sdk.JobContext, spec: Spec, owner: str, *, keep_b64: bool) -> dict[str, Any]:
     wf = spec.workflow
     assert wf is not None
@@ -295,6 +288,7 @@ async def run_job(state: Images, ctx: sdk.JobContext, spec: Spec, owner: str, *,
     private_dir: Path | None = None
     url = ""
     prompt_ids: list[str] = []
+    leftovers: list[Path] = []  # in privacy mode, every file ComfyUI wrote
     try:
         ctx.progress(0.0, "connecting to ComfyUI")
         url = await state.comfy.url()
@@ -321,9 +315,9 @@ async def run_job(state: Images, ctx: sdk.JobContext, spec: Spec, owner: str, *,
             prefix = f"{private_tag}/image" if private_tag else f"localm/{ctx.job_id}-{i + 1}"
             graph = wf.apply(values, prefix=prefix)
             ctx.progress(i / spec.n, f"image {i + 1} of {spec.n}: queued in ComfyUI", image=i + 1, images=spec.n)
-            run = await state.comfy.run(url, graph, timeout=float(state.settings["timeout"]),
+            prompt_ids.append(str(uuid.uuid4()))
+            run = await state.comfy.run(url, graph, timeout=float(state.settings["timeout"]), prompt_id=prompt_ids[-1],
                                         on_event=_progress(ctx, graph, i, spec.n))
-            prompt_ids.append(run.prompt_id)
             image = _pick(run)
             png = await state.comfy.view(url, image)
             size = png_size(png)
@@ -340,9 +334,12 @@ async def run_job(state: Images, ctx: sdk.JobContext, spec: Spec, owner: str, *,
                     "prompt": spec.prompt, "negative_prompt": spec.negative_prompt, "workflow": wf.name,
                     "seed": seeds[i], "owner": owner, "job_id": ctx.job_id})
                 item.update(name=record["name"], url=f"/api/imagine/file/{record['name']}")
-                copy = _comfy_file(state, image)
-                if copy is not None and state.comfy.launched_by_localm:
-                    copy.unlink(missing_ok=True)  # the gallery holds it now
+            for made in run.images:  # ComfyUI's copies: the gallery holds the image now
+                path = state.comfy.file_of(made)
+                if path is not None and spec.private:
+                    leftovers.append(path)
+                elif path is not None and state.comfy.launched_by_localm:
+                    path.unlink(missing_ok=True)
             images.append(item)
             ctx.progress((i + 1) / spec.n, f"image {i + 1} of {spec.n} done", image=i + 1, images=spec.n)
         out: dict[str, Any] = {"images": images, "workflow": wf.name}
@@ -350,18 +347,32 @@ async def run_job(state: Images, ctx: sdk.JobContext, spec: Spec, owner: str, *,
             out["private"] = True
         return out
     finally:
-        if private_dir is not None:
-            for pid in prompt_ids:
-                await state.comfy.forget(url, pid)
-            await asyncio.to_thread(shutil.rmtree, private_dir, True)
-            if private_dir.exists():
-                spec.pngs.clear()
-                raise sdk.LocalmError(500, "Privacy mode: the generated image could not be deleted, so it was not "
-                                           "returned", code="privacy_delete_failed")
-        if unloaded:
-            asyncio.get_running_loop().create_task(_restore(state, unloaded))
-        else:
-            state.turn.release()
+        try:
+            if private_dir is not None:
+                await _forget(state, url, prompt_ids, private_dir, leftovers, spec)
+        finally:
+            if unloaded:
+                asyncio.get_running_loop().create_task(_restore(state, unloaded))
+            else:
+                state.turn.release()
+
+
+async def _forget(state: Images, url: str, prompt_ids: list[str], private_dir: Path, leftovers: list[Path],
+                  spec: Spec) -> None:
+    """Privacy mode: delete every file the runs wrote and their entries in ComfyUI's history;
+    a file that stays means the images are not returned (500)."""
+    for pid in prompt_ids:
+        await state.comfy.forget(url, pid)
+
+    def delete() -> bool:
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+        shutil.rmtree(private_dir, ignore_errors=True)
+        return private_dir.exists() or any(path.exists() for path in leftovers)
+    if await asyncio.to_thread(delete):
+        spec.pngs.clear()
+        raise sdk.LocalmError(500, "Privacy mode: the generated image could not be deleted, so it was not returned",
+                              code="privacy_delete_failed")
 
 
 def start(request: sdk.Request, state: Images, spec: Spec, *, keep_b64: bool) -> Any:

@@ -18,7 +18,6 @@ precedence, by
 from __future__ import annotations
 
 import copy
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,7 +227,3 @@ def install_shipped(shipped: Path, folder: Path) -> None:
         dest = folder / src.name
         if not dest.exists():
             atomic_write_bytes(dest, src.read_bytes())
-
-
-def dumps(graph: dict[str, Any]) -> str:
-    return json.dumps(graph, sort_keys=True)
