@@ -56,6 +56,12 @@ class Host:
         """The MODEL argument ``localm serve`` was started with, if any."""
         return self._kernel.startup_model
 
+    @property
+    def auth_required(self) -> bool:
+        """Whether callers need a key: an API key exists (or require_auth is on). False in
+        open mode, where only the attach token reaches management routes."""
+        return self._kernel.auth_required()
+
     def setting(self, key: str) -> Any:
         """A kernel setting's current value (e.g. ``cors_origins``)."""
         return self._kernel.config.get(key)

@@ -368,6 +368,12 @@ def test_the_runner_matches_output_as_documented() -> None:
 def test_page_runs(page: str, tmp_path: Path, localm_server: Callable[..., Any],
                    monkeypatch: pytest.MonkeyPatch) -> None:
     session = Session(tmp_path, localm_server)
+    if page == "images.md":  # a real ComfyUI, built once by tests/comfyui_env.py, is $COMFY
+        import comfyui_env
+        reason = comfyui_env.unavailable()
+        if reason is not None:
+            pytest.skip(reason)
+        session.env["COMFY"] = str(comfyui_env.cache_dir())
     monkeypatch.chdir(session.cwd)
     for block in read_blocks(DOCS / page):
         session.run_block(block)

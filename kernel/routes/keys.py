@@ -46,7 +46,8 @@ async def create_key(request: Request) -> dict[str, Any]:
     warnings = []
     for s in scopes:
         base = s.split(":")[0]
-        p = k.plugins.plugins.get(base)
+        p = next((q for q in k.plugins.plugins.values() if q.manifest and s in q.manifest.scopes),
+                 k.plugins.plugins.get(base))  # the plugin that declares it (images declares image)
         if s not in KERNEL_SCOPES and (p is None or not p.installed):
             warnings.append(f"{s}: no installed plugin serves this scope yet")
         elif s not in KERNEL_SCOPES and p is not None and not p.active:
