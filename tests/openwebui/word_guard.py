@@ -25,6 +25,7 @@ class Filter:
 
     def inlet(self, body: dict, __user__: Optional[dict] = None) -> dict:
         text = (get_last_user_message(body["messages"]) or "").lower()
+        assert text == body["messages"][-1]["content"].lower()  # text-only content is a string, on every API
         for word in self.valves.banned.split(","):
             if word.strip() and word.strip() in text:
                 raise Exception(f"The word '{word.strip()}' is not allowed here.")

@@ -145,9 +145,7 @@ async def _load_form(host: Any, entry: Any, name: str, keep: float | None, strea
     else:
         obj["response"] = ""
     obj.update(done=True, done_reason=reason)
-    if stream:
-        return NdjsonStream(iter([_line(obj)]))
-    return sdk.Response(obj)
+    return sdk.Response(obj)  # one JSON object, streamed or not, as Ollama answers a load or an unload
 
 
 # --- generation ------------------------------------------------------------------------------
@@ -412,7 +410,10 @@ async def show_route(request: sdk.Request) -> dict[str, Any]:
     host = sdk.host_of(request)
     body = await _body(request)
     field(body, "verbose", (bool,), "true or false", False)
-    return info.show(resolve(host, _model_name(body)))
+    entry = resolve(host, _model_name(body))
+    resident = host.models.resident.get(entry.id)
+    window = resident.engine.capabilities.context_window if resident is not None else None
+    return info.show(entry, window or None)
 
 
 def _pull_failure(exc: Exception, source: str, redact: Any) -> sdk.LocalmError:

@@ -197,11 +197,15 @@ def capabilities(entry: Any) -> list[str]:
     return out
 
 
-def parameters_text() -> str:
-    """The sampling localm uses when a request sets no option, as Modelfile PARAMETER lines."""
+def parameters_text(num_ctx: int | None = None) -> str:
+    """The sampling the Ollama routes use when a request sets no option (Ollama's defaults), and
+    the window the model serves with, as Modelfile PARAMETER lines."""
+    from .translate import OLLAMA_DEFAULTS
+
     d = spec.Sampling()
-    lines = [("temperature", d.temperature), ("top_k", d.top_k), ("top_p", d.top_p), ("min_p", d.min_p),
-             ("repeat_penalty", d.repeat_penalty)]
+    lines = [("num_ctx", num_ctx)] if num_ctx else []
+    lines += [("temperature", d.temperature), ("top_k", d.top_k), ("top_p", OLLAMA_DEFAULTS["top_p"]),
+              ("min_p", OLLAMA_DEFAULTS["min_p"]), ("repeat_penalty", OLLAMA_DEFAULTS["repeat_penalty"])]
     return "\n".join(f"{k:<15}{v:g}" for k, v in lines)
 
 
@@ -210,14 +214,14 @@ def shown_source(entry: Any) -> str:
     return "file:" + Path(source[5:]).name if source.startswith("file:") else source
 
 
-def show(entry: Any) -> dict[str, Any]:
+def show(entry: Any, num_ctx: int | None = None) -> dict[str, Any]:
     """/api/show. Long GGUF arrays (token lists, merges) are null, verbose or not: localm
-    never reads them."""
+    never reads them. ``num_ctx``: the window the loaded model serves with."""
     facts = Facts(entry)
     file_name = Path(entry.path).name
     modelfile = (f"# localm does not use Modelfiles: {entry.id} is registered from {shown_source(entry)}.\n"
                  f"# Change it with `localm pull`, `localm rename` and `localm rm`.\nFROM {file_name}\n")
-    out: dict[str, Any] = {"modelfile": modelfile, "parameters": parameters_text(), "template": facts.template or "",
+    out: dict[str, Any] = {"modelfile": modelfile, "parameters": parameters_text(num_ctx), "template": facts.template or "",
                            "details": facts.details(), "model_info": facts.model_info(),
                            "capabilities": capabilities(entry), "modified_at": from_epoch(entry.created)}
     license_ = facts.meta.get("general.license")

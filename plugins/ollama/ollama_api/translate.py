@@ -102,8 +102,16 @@ def keep_alive(value: Any) -> float | None:
 
 # --- options, format, think ----------------------------------------------------------
 
+#: Ollama's documented defaults for the sampling options a request leaves out, where they
+#: differ from localm's own (temperature 0.8 and top_k 40 are the same on both).
+OLLAMA_DEFAULTS = {"top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1}
+
+
 def read_options(options: Any, out: dict[str, Any], ignored: list[str]) -> None:
-    """Ollama's ``options`` into the OpenAI body ``out``; unknown options go to ``ignored``."""
+    """Ollama's ``options`` into the OpenAI body ``out`` (Ollama's defaults for those left
+    out); unknown options go to ``ignored``."""
+    for key, value in OLLAMA_DEFAULTS.items():
+        out.setdefault(key, value)
     if options is None:
         return
     if not isinstance(options, dict):

@@ -216,6 +216,16 @@ class Loaded:
                 "__tools__": {}, "__oauth_token__": None, "__features__": metadata["features"], "__body__": request}
 
 
+def plain_text(messages: list[Any]) -> None:
+    """Content made only of text parts as one string, as Open WebUI hands a Function a
+    text-only message (an Anthropic client sends every message as parts)."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and content and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            message["content"] = "".join(p["text"] for p in content)
+
+
 def _model(cls: Any) -> type | None:
     return cls if isinstance(cls, type) and hasattr(cls, "model_fields") else None
 
@@ -286,6 +296,8 @@ class Functions:
 
     # --- filters -----------------------------------------------------------------------------
     def _runs(self, fn: Loaded, request: dict[str, Any]) -> bool:
+        if not isinstance(request.get("messages"), list):
+            return False  # a text completion: Open WebUI runs Filters on chats only
         meta = request.get("metadata")
         if isinstance(meta, dict) and meta.get("task"):
             return False  # Open WebUI's background tasks skip Function filters
@@ -301,6 +313,7 @@ class Functions:
         events = Events(fn.fid, context)
         context.state.update(instance=inst, events=events)
         body = request
+        plain_text(body["messages"])
         added = "metadata" not in body
         extras = fn.extras(context, body, events, context.model)
         if added:
@@ -392,7 +405,9 @@ class Functions:
             reply = {"id": message_id, "role": "assistant", "content": content, "timestamp": int(time.time())}
             if response.get("reasoning_content"):
                 reply["reasoning_content"] = response["reasoning_content"]
-            body = {"model": context.model, "messages": [*copy.deepcopy(history), reply],
+            shown = copy.deepcopy(history)
+            plain_text(shown)
+            body = {"model": context.model, "messages": [*shown, reply],
                     "chat_id": extras["__chat_id__"] or "", "session_id": extras["__session_id__"],
                     "id": message_id, "filter_ids": filter_ids(request)}
             try:
@@ -444,6 +459,8 @@ class Functions:
         inst = fn.fresh()
         context = chat.context
         body = copy.deepcopy(chat.body)
+        if isinstance(body.get("messages"), list):
+            plain_text(body["messages"])
         events = Events(fn.fid, context)
         extras = fn.extras(context, body, events, model)
         body.pop("metadata", None)
