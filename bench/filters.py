@@ -43,7 +43,7 @@ class Filter:
 
     def stream(self, event: dict) -> dict:
         for choice in event.get("choices", []):
-            delta = choice.get("delta", {})
+            delta = choice.get("delta", {{}})
             if delta.get("content"):
                 delta["content"] = delta["content"].replace(self.valves.replace, " ")
         return event
