@@ -519,14 +519,14 @@ def print_table(mode: str, measured: dict[str, Any], peer: Any, localm: Any, arg
     pr, pd = paired(results[peer.name], results[localm.name])
     print(f"  paired by round (median of each round's {localm.name}/{peer.name}): tok/s ratio {pr:.2f}, "
           f"TTFT {pd:+.1f} ms")
-    ok_rate = ratio >= 0.97
+    ok_rate = ratio >= args.target_ratio
     ok_ttft = overhead < 5.0
     busy = max(p["others"], l["others"])
     if busy > args.max_other_load:
         print(f"  WARNING: other processes kept {busy:.2f} cores busy during the median request: llama.cpp's "
               f"{args.threads} threads then wait on each other, and these numbers say little; rerun on an idle "
               "machine")
-    print(f"  target: tok/s ratio >= 0.97 ({'met' if ok_rate else 'NOT met'}), "
+    print(f"  target: tok/s ratio >= {args.target_ratio:g} ({'met' if ok_rate else 'NOT met'}), "
           f"TTFT overhead < 5 ms ({'met' if ok_ttft else 'NOT met'})"
           + (" -- on a busy machine: no verdict" if busy > args.max_other_load else ""))
     print(f"  other processes used {max(p['others'], l['others']):.2f} cores (median over requests; at most "
@@ -560,6 +560,8 @@ def main() -> None:
     parser.add_argument("--stream-hooks", type=int, default=0,
                         help="compare localm with this many plugins holding a no-op chat_stream hook against "
                              "localm without (instead of against llama_cpp.server)")
+    parser.add_argument("--target-ratio", type=float, default=0.97,
+                        help="the tok/s ratio (2nd/1st) the verdict asks for (default 0.97)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every round")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (server logs)")
     args = parser.parse_args()

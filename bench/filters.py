@@ -10,7 +10,8 @@ Each Filter is a sync ``stream(self, event)`` that reads and rewrites every chun
 through N Function calls, each in a worker thread. Everything else (rounds, the quiet-
 machine check, the printed table: tokens/s, TTFT, CPU per request, the ratio) is
 ``bench/chat.py``'s ``--stream-hooks`` comparison; its other options pass through.
-Target: tokens/s with 3 filters at least 0.9x of localm without.
+Target: tokens/s with 3 filters at least 0.9x of localm without (the issue's target; the
+verdict line says it, not bench/chat.py's 0.97: ``--target-ratio`` changes it).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def write_functions(folder: Path, count: int) -> list[Path]:
     return out
 
 
+#: tokens/s with the filters over tokens/s without, at least (the verdict line's target)
+TARGET = 0.9
+
+
 class WithFilters(chat.Localm):
     """bench/chat.py's localm; with ``hooks``, that many Open WebUI stream Filters installed."""
 
@@ -89,7 +94,8 @@ def main(argv: list[str]) -> None:
         print(__doc__)
         return
     chat.Localm = WithFilters  # bench/chat.py's --stream-hooks comparison, with Functions as the hooks
-    sys.argv = [sys.argv[0], "--stream-hooks", str(max(known.filters, 1)), *rest]
+    target = [] if any(a.startswith("--target-ratio") for a in rest) else ["--target-ratio", str(TARGET)]
+    sys.argv = [sys.argv[0], "--stream-hooks", str(max(known.filters, 1)), *target, *rest]
     chat.main()
 
 
