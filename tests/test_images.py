@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -64,6 +65,10 @@ BROKEN = {  # passes validation, then ImageToMask finds no alpha channel
 }
 BROKEN_MAP = {"prompt": "5.value"}
 NOSIZE_MAP = {"prompt": "3.value", "seed": "1.color"}  # SOLID's graph, with no size input mapped
+NEGATIVE = {**SOLID,  # SOLID with a second text, which the negative prompt goes to
+            "5": {"class_type": "PrimitiveStringMultiline", "inputs": {"value": ""}},
+            "6": {"class_type": "PreviewAny", "inputs": {"source": ["5", 0]}}}
+NEGATIVE_MAP = {**SOLID_MAP, "negative_prompt": "5.value"}
 
 
 def colour(seed: int) -> tuple[int, int, int]:
@@ -119,6 +124,8 @@ def eventually(check: Any, timeout: float = 20.0) -> Any:
 def comfy() -> comfyui_env.ComfyEnv:
     reason = comfyui_env.unavailable()
     if reason is not None:
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"CI={os.environ['CI']} (.ci/run builds ComfyUI first): {reason}", pytrace=False)
         pytest.skip(reason)
     return comfyui_env.env()
 
@@ -129,7 +136,8 @@ def server(module_server: Any, comfy: comfyui_env.ComfyEnv) -> LocalmServer:
         folder = data_dir / "plugin-data" / "images" / "workflows"
         folder.mkdir(parents=True)
         for name, graph, mapping in (("solid", SOLID, SOLID_MAP), ("slow", SLOW, None),
-                                     ("broken", BROKEN, BROKEN_MAP), ("nosize", SOLID, NOSIZE_MAP)):
+                                     ("broken", BROKEN, BROKEN_MAP), ("nosize", SOLID, NOSIZE_MAP),
+                                     ("negative", NEGATIVE, NEGATIVE_MAP)):
             (folder / f"{name}.json").write_text(json.dumps(graph))
             if mapping is not None:
                 (folder / f"{name}.map.json").write_text(json.dumps(mapping))
@@ -289,8 +297,11 @@ def test_url_mode_and_the_gallery_belong_to_the_key(images: LocalmServer, keys: 
         assert nobody.get(url).status_code == 401
     with images.client(keys["owner"]) as owner_key:
         assert owner_key.get(url).status_code == 200
-        listed = owner_key.get("/api/imagine/gallery").json()["images"]
-        assert {i["owner"] for i in listed if i["name"] == name} != {"owner"}
+        # the owner sees every image, with the key that made it
+        key_a = [k["id"] for k in owner_key.get("/v1/keys").json()["keys"] if k["name"] == "a"]
+        assert len(key_a) == 1
+        [made] = [i for i in owner_key.get("/api/imagine/gallery").json()["images"] if i["name"] == name]
+        assert made["owner"] == key_a[0] == sidecar["owner"]
     with images.client(keys["a"]) as mine:
         assert mine.delete(f"/api/imagine/gallery/{name}").json() == {"status": "deleted", "name": name}
         assert mine.get(url).status_code == 404
@@ -360,6 +371,34 @@ def test_body_and_workflow_refusals(images: LocalmServer, keys: dict[str, str], 
         assert by_name["nosize"]["takes_size"] is False
         shipped = by_name["txt2img-sd"]["fields"]
         assert shipped["prompt"] == ["6.text"] and shipped["seed"] == ["3.seed"] and shipped["width"] == ["5.width"]
+
+
+def test_the_negative_prompt_reaches_its_mapped_input(images: LocalmServer, keys: dict[str, str],
+                                                      owner: httpx.Client) -> None:
+    settings(owner, workflow="negative")
+    try:
+        with images.client(keys["a"]) as client:
+            r = client.post("/v1/images/generations", json={
+                "prompt": "a calm sea", "negative_prompt": "no storms", "size": "64x64", "seed": 0x00FF00,
+                "response_format": "b64_json"})
+            assert r.status_code == 200, r.text
+            assert pixels(base64.b64decode(r.json()["data"][0]["b64_json"])) == ((64, 64), {(0, 255, 0)})
+            [run] = runs_of(owner, "a calm sea")
+            assert run["prompt"][2]["5"]["inputs"]["value"] == "no storms"
+            [kept] = [i for i in client.get("/api/imagine/gallery").json()["images"] if i["prompt"] == "a calm sea"]
+            assert kept["negative_prompt"] == "no storms" and kept["workflow"] == "negative"
+            # the job route takes it too; left out, the input keeps the workflow's own value
+            job_id = client.post("/api/imagine", json={"prompt": "a calm lake", "negative_prompt": "no fog",
+                                                       "seed": 2}).json()["job_id"]
+            assert list(job_events(client, job_id))[-1]["status"] == "done"
+            assert client.post("/v1/images/generations", json={"prompt": "a calm pond", "seed": 3}).status_code == 200
+            [lake], [pond] = runs_of(owner, "a calm lake"), runs_of(owner, "a calm pond")
+            assert lake["prompt"][2]["5"]["inputs"]["value"] == "no fog"
+            assert pond["prompt"][2]["5"]["inputs"]["value"] == ""
+            listed = {w["name"]: w for w in client.get("/api/imagine/workflows").json()["workflows"]}
+            assert listed["negative"]["fields"]["negative_prompt"] == ["5.value"]
+    finally:
+        settings(owner, workflow="solid")
 
 
 # --- ComfyUI's own errors -----------------------------------------------------------------------
@@ -601,6 +640,47 @@ def test_an_external_comfy_url(images: LocalmServer, keys: dict[str, str], owner
         assert down.value.status_code == 503 and "not answering" in str(down.value)
     finally:
         settings(owner, comfy_url="", privacy_mode=False)
+
+
+HANGING_MAIN = """import socket, sys, time
+
+# stands in for ComfyUI's main.py: takes connections on its port and never answers
+port = int(sys.argv[sys.argv.index("--port") + 1])
+server = socket.socket()
+server.bind(("127.0.0.1", port))
+server.listen(16)
+time.sleep(600)
+"""
+
+
+def test_a_comfy_that_never_answers(images: LocalmServer, owner: httpx.Client, comfy: comfyui_env.ComfyEnv,
+                                    tmp_path: Path) -> None:
+    # comfy_url at a socket that takes connections and never answers: not alive, said within
+    # the status route's own limit (its check gives up first, so this is not a 504)
+    hanging = socket.create_server(("127.0.0.1", 0), backlog=16)
+    try:
+        settings(owner, comfy_url=f"http://127.0.0.1:{hanging.getsockname()[1]}")
+        started = time.monotonic()
+        status = owner.get("/v1/comfy/status", timeout=60)
+        assert status.status_code == 200 and status.json()["alive"] is False, status.text
+        assert time.monotonic() - started < 15
+    finally:
+        settings(owner, comfy_url="")
+        hanging.close()
+    # a ComfyUI localm launches that never answers: restarting it is a 504 once start_timeout passes
+    fake = tmp_path / "ComfyUI"
+    fake.mkdir()
+    (fake / "main.py").write_text(HANGING_MAIN)
+    settings(owner, comfy_path=str(fake), comfy_python=sys.executable, start_timeout=5)
+    try:
+        r = owner.post("/v1/comfy/restart", timeout=120)
+        assert r.status_code == 504, r.text
+        assert "did not start within start_timeout" in r.json()["detail"]
+        assert owner.get("/v1/comfy/status").json() == {"alive": False, "launched_by_localm": False, "url": None}
+    finally:
+        settings(owner, comfy_path=str(comfy.path), comfy_python=str(comfy.python), start_timeout="")
+        restarted = owner.post("/v1/comfy/restart", timeout=300).json()
+    assert restarted["ok"] is True, restarted
 
 
 def test_disabled_the_routes_404_and_comfy_stops(images: LocalmServer, keys: dict[str, str],
