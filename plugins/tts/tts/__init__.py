@@ -45,8 +45,21 @@ def startup(host: Any, plugin: Any) -> None:
 
 
 @sdk.hookimpl
-def shutdown() -> None:
+async def shutdown(host: Any) -> None:
     _STATE.pop("speaker", None)
+    await unload_own_models(host)
+
+
+async def unload_own_models(host: Any) -> None:
+    """Unload the Piper voices this plugin's engine loaded: they go with the plugin (disabled,
+    refreshed or stopped), rather than keep serving with the code of the plugin that stopped
+    (whose exceptions the next one would not recognise) and hold their memory."""
+    for model_id, resident in list(host.models.resident.items()):
+        if getattr(resident.engine, "engine", None) == "piper":
+            try:
+                await host.models.unload_one(model_id)
+            except sdk.LocalmError:  # gone from the registry meanwhile: nothing to unload by name
+                continue
 
 
 @sdk.hookimpl
