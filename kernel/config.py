@@ -117,7 +117,7 @@ class Config:
             if key in STATE_KEYS:
                 if not principal.is_owner:
                     raise LocalmError(403, f"{key} is plugin state; use {STATE_KEYS[key]} to change it")
-                updates[key] = _check_state(key, value)
+                updates[key] = None if value is None else _check_state(key, value)  # null resets it
                 continue
             spec = KERNEL_FIELDS.get(key)
             if spec is None:
@@ -178,9 +178,14 @@ class Config:
 
 
 def _check_state(key: str, value: Any) -> Any:
+    """A whole plugin-state value as it is stored. A null resets what it stands for: a plugin
+    under ``plugins_enabled`` to its manifest's default, a plugin's settings block or one
+    setting in it to the defaults (so no null is ever stored)."""
     if key == "plugins_enabled":
-        if not isinstance(value, dict) or not all(isinstance(v, bool) for v in value.values()):
+        if not isinstance(value, dict) or not all(isinstance(v, bool) or v is None for v in value.values()):
             raise LocalmError(400, "Invalid value for plugins_enabled: expected an object of plugin name → boolean")
-    elif not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        return {name: on for name, on in value.items() if on is not None}
+    if not isinstance(value, dict) or not all(isinstance(v, dict) or v is None for v in value.values()):
         raise LocalmError(400, "Invalid value for plugins: expected an object of plugin name → settings object")
-    return value
+    blocks = {name: {k: v for k, v in block.items() if v is not None} for name, block in value.items() if block}
+    return {name: block for name, block in blocks.items() if block}

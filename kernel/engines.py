@@ -49,6 +49,8 @@ A model registered as a reranker is loaded as a cross-encoder: its engine says
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
@@ -88,6 +90,15 @@ class Capabilities:
     #: Open WebUI Pipe) or by a server that applies its own template. It has no tokenizer the
     #: chat service uses: no prompt is rendered, counted or checked against a window.
     messages: bool = False
+    #: The window can grow: ``context_window`` is the window the model is open at now, and the
+    #: engine opens a larger one (up to this many tokens) for a request that needs it
+    #: (``GenerateRequest.window``). None: the window is fixed at ``context_window``.
+    context_max: int | None = None
+
+    @property
+    def context_limit(self) -> int:
+        """The most tokens a prompt and its reply may take: the ceiling the window grows to."""
+        return self.context_max or self.context_window
 
 
 @attrs.frozen
@@ -186,6 +197,17 @@ class GenerateRequest:
     #: For an engine whose capabilities say ``messages``: the chat request itself (``prompt``
     #: is then empty). None for every other engine.
     chat: ChatInput | None = None
+    #: The window this request needs (its prompt and room for its reply). An engine whose window
+    #: can grow (``Capabilities.context_max``) opens at least this many tokens before it decodes
+    #: (up to ``context_max``); an engine with a fixed window ignores it.
+    window: int | None = None
+    #: A window the client asked for (Ollama's ``options.num_ctx``): a growable engine serves
+    #: with this window from this request on (never smaller than ``window``), as Ollama reloads
+    #: a model at the num_ctx a request names.
+    num_ctx: int | None = None
+    #: A background request (a front end's title or tags task): it waits behind interactive
+    #: requests that arrive while it is queued (see :class:`Serial`).
+    background: bool = False
 
 
 @attrs.frozen
@@ -331,8 +353,50 @@ class EngineError(Exception):
         self.code = code
 
 
+class Turns:
+    """One holder at a time. Waiters take their turn in arrival order, except that a
+    background request (``GenerateRequest.background``) lets every interactive one that
+    arrives while it waits go first. A waiter that is cancelled leaves the line."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._line: list[tuple[int, int, asyncio.Future]] = []
+        self._arrivals = 0
+
+    async def acquire(self, background: bool = False) -> None:
+        if not self._held and not self._line:
+            self._held = True
+            return
+        turn: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._arrivals += 1
+        heapq.heappush(self._line, (1 if background else 0, self._arrivals, turn))
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed the turn as it was cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        while self._line:
+            _, _, turn = heapq.heappop(self._line)
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._held = False
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, background: bool = False) -> AsyncIterator[None]:
+        await self.acquire(background)
+        try:
+            yield
+        finally:
+            self.release()
+
+
 class Serial:
-    """One decode at a time, in arrival order, on a thread of its own.
+    """One decode at a time on a thread of its own, in arrival order (background requests
+    after interactive ones: see :class:`Turns`).
 
     An engine that decodes one request at a time hands each request to ``generate`` with
     a blocking ``decode(request, cancelled, emit)`` function; ``decode`` runs on the
@@ -344,7 +408,7 @@ class Serial:
     def __init__(self, name: str, *, initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=initializer,
                                             initargs=initargs)
-        self._turn = asyncio.Lock()
+        self._turn = Turns()
         self.busy = 0
 
     async def generate(self, request: GenerateRequest,
@@ -355,7 +419,7 @@ class Serial:
         try:
             if ahead:
                 yield Queued(ahead=ahead)
-            async with self._turn:
+            async with self._turn(request.background):
                 yield Started(prompt_tokens=len(request.prompt))
                 loop = asyncio.get_running_loop()
                 events: asyncio.Queue[Event] = asyncio.Queue()
@@ -381,7 +445,7 @@ class Serial:
         """Run ``fn(*args)`` on the engine's thread, in turn with generations."""
         self.busy += 1
         try:
-            async with self._turn:
+            async with self._turn():
                 return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         finally:
             self.busy -= 1

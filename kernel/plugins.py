@@ -617,7 +617,7 @@ class PluginHost:
         out = {}
         for key, spec in p.fields.items():
             value = spec.default
-            if key in block:
+            if block.get(key) is not None:  # a null (left by a hand-edited file) means the default
                 try:
                     value = spec.check(block[key])
                 except LocalmError:

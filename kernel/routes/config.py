@@ -17,7 +17,17 @@ from .common import json_object, kernel_of, principal_of
 @get("/v1/config", scope="config:read", summary="The whole config, with read-only extras")
 async def read_config(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
-    return k.config.view(principal_of(request), port=k.port)
+    return {**k.config.view(principal_of(request), port=k.port), **_context_extras(k)}
+
+
+def _context_extras(k: Any) -> dict[str, Any]:
+    """effective_ctx_max: the most tokens a prompt and its reply may take on the active model (the
+    ceiling its window grows to), and effective_ctx_model: that model; null when none is loaded."""
+    models = k.models
+    resident = models.resident.get(models.active) if models.active else None
+    if resident is None or not hasattr(resident.engine, "capabilities"):
+        return {"effective_ctx_max": None, "effective_ctx_model": None}
+    return {"effective_ctx_max": resident.engine.capabilities.context_limit, "effective_ctx_model": resident.entry.id}
 
 
 @patch("/v1/config", scope="config:write", summary="Change config keys; returns the merged config")
@@ -31,7 +41,7 @@ async def patch_config(request: Request) -> dict[str, Any]:
     k.config.patch(body, caller)
     if "plugins_enabled" in body and k.config.enabled_overrides() != before:
         await k.plugins.sync()
-    return k.config.view(caller, port=k.port)
+    return {**k.config.view(caller, port=k.port), **_context_extras(k)}
 
 
 @get("/v1/config/schema", scope="config:read", summary="Every setting: kernel and active plugins")

@@ -45,7 +45,8 @@ async def read_model(request: Request, model_id: str) -> dict[str, Any]:
     resident = k.models.resident.get(entry.id)
     if resident is not None:
         out["engine"] = resident.engine.engine
-        out["context_capacity"] = resident.engine.capabilities.context_window
+        out["context_capacity"] = resident.engine.capabilities.context_window  # the window open now
+        out["context_max"] = resident.engine.capabilities.context_limit  # the most it grows to
         out["busy"] = resident.engine.busy  # requests running or queued on it
         out["in_flight"] = resident.in_flight  # requests holding it (a load or an unload waits for them)
         out["unloading"] = resident.unloading
@@ -84,7 +85,8 @@ async def loaded_models(request: Request) -> dict[str, Any]:
     for resident in list(k.models.resident.values()):
         entry, engine = resident.entry, resident.engine
         out.append({"id": entry.id, "role": entry.role, "size_bytes": entry.size_bytes, "engine": engine.engine,
-                    "context_window": engine.capabilities.context_window, "active": k.models.active == entry.id,
+                    "context_window": engine.capabilities.context_window,
+                    "context_max": engine.capabilities.context_limit, "active": k.models.active == entry.id,
                     "slots": int(getattr(engine, "slots", 1) or 1), "busy": engine.busy,
                     "in_flight": resident.in_flight, "unloading": resident.unloading,
                     "loaded_at": resident.loaded_at, "until": None})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import logging
 import os
 import random
 import struct
@@ -27,10 +28,16 @@ import attrs
 from localm import sdk
 from localm.sdk import engines as spec
 
+log = logging.getLogger("localm.plugin.llamacpp")
 
 @attrs.frozen
 class Settings:
-    n_ctx: int = sdk.setting(4096, min=256, description="Context window in tokens (at most the model's own)")
+    n_ctx: int = sdk.setting(4096, min=256, description="The context window a model opens at, in tokens; it grows "
+                                                        "on demand up to n_ctx_max")
+    n_ctx_max: int = sdk.setting(0, min=0, description="The most tokens the context window grows to (0: the context "
+                                                       "the model was trained for), within ctx_memory_mb")
+    ctx_memory_mb: int = sdk.setting(4096, min=16, description="The memory a model's context (its KV cache) may take "
+                                                               "as it grows, in MiB")
     n_threads: int = sdk.setting(0, min=0, description="CPU threads for generation (0: one per core)")
     n_batch: int = sdk.setting(512, min=1, description="Prompt tokens processed per step")
 
@@ -43,6 +50,23 @@ def _meta_int(meta: dict[str, Any], key: str) -> int | None:
         return None
     return value if value > 0 else None
 
+
+def _kv_bytes_per_token(meta: dict[str, Any], arch: str) -> int | None:
+    """The bytes one token takes in a context's KV cache (f16 keys and values in every
+    layer), from the GGUF metadata; None when the metadata does not say."""
+    layers = _meta_int(meta, f"{arch}.block_count")
+    heads = _meta_int(meta, f"{arch}.attention.head_count")
+    embedding = _meta_int(meta, f"{arch}.embedding_length")
+    kv_heads = _meta_int(meta, f"{arch}.attention.head_count_kv") or heads
+    if not (layers and heads and embedding and kv_heads):
+        return None
+    key = _meta_int(meta, f"{arch}.attention.key_length") or embedding // heads
+    value = _meta_int(meta, f"{arch}.attention.value_length") or embedding // heads
+    return layers * kv_heads * (key + value) * 2
+
+
+#: A window grows in steps of this many tokens (and at least doubles).
+WINDOW_STEP = 256
 
 #: A reranker's window must hold the query, the special tokens and at least this many
 #: tokens of each document, or the query is refused as too long.
@@ -134,6 +158,16 @@ class LlamaEngine:
         meta = self.llm.metadata
         self.template = meta.get("tokenizer.chat_template")
         arch = meta.get("general.architecture", "")
+        #: The ceiling the window grows to: the trained context (or n_ctx_max), within the memory budget.
+        self._ctx_max = self.llm.n_ctx()
+        if not self.reranker:
+            ceiling = min(n_ctx_train or 1 << 30, settings.get("n_ctx_max") or 1 << 30)
+            per_token = _kv_bytes_per_token(meta, arch)
+            if per_token:
+                ceiling = min(ceiling, int(settings.get("ctx_memory_mb", 4096)) * 2**20 // per_token)
+            if ceiling == 1 << 30:
+                ceiling = self.llm.n_ctx()
+            self._ctx_max = max(self.llm.n_ctx(), ceiling)
         self.capabilities = spec.Capabilities(
             # llama.cpp offers no per-request hook on the residual stream: no steering, no reads
             interventions=False, hidden_size=_meta_int(meta, f"{arch}.embedding_length"),
@@ -145,7 +179,7 @@ class LlamaEngine:
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template),
             logprobs=not self.reranker, grammar=not self.reranker and spec.Constrainer.available(),
-            rerank=self.reranker)
+            rerank=self.reranker, context_max=None if self.reranker else self._ctx_max)
         #: A decoder reranker's prompt (Qwen3-Reranker), with {query} and {document} in it.
         self._rerank_template = meta.get("tokenizer.chat_template.rerank") or None
         bos = self.llm.token_bos()
@@ -264,11 +298,69 @@ class LlamaEngine:
             raise RuntimeError("llama.cpp holds no logits for the last token")
         return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
 
+    # --- the window ------------------------------------------------------------------
+    def _window_for(self, request: spec.GenerateRequest) -> int | None:
+        """The window to open before ``request`` (None: the one open will do)."""
+        current = self.llm.n_ctx()
+        need = min(self._ctx_max, max(request.window or 0, len(request.prompt) + 1))
+        if request.num_ctx:
+            wanted = min(self._ctx_max, max(request.num_ctx, need, 256))
+            return wanted if wanted != current else None
+        if need <= current:
+            return None
+        steps = -(-need // WINDOW_STEP) * WINDOW_STEP
+        return min(self._ctx_max, max(steps, 2 * current))
+
+    def _resize(self, n_ctx: int) -> None:
+        """Open the context at ``n_ctx`` tokens on the same weights, keeping the cached prompt
+        (its KV cells) where it fits. Runs on the engine's thread, between requests."""
+        import llama_cpp
+        import numpy as np
+        from llama_cpp import _internals as internals
+        llm = self.llm
+        kept = min(llm.n_tokens, n_ctx - 1)
+        saved: Any = None
+        if kept > 0:
+            llm._ctx.kv_cache_seq_rm(-1, kept, -1)
+            size = llama_cpp.llama_state_seq_get_size(llm._ctx.ctx, 0)
+            saved = (ctypes.c_uint8 * size)()
+            if llama_cpp.llama_state_seq_get_data(llm._ctx.ctx, saved, size, 0) != size:
+                saved, kept = None, 0
+        tokens = llm.input_ids[:kept].copy()
+        params = llm.context_params
+        old = params.n_ctx
+        params.n_ctx = n_ctx
+        try:
+            fresh = internals.LlamaContext(model=llm._model, params=params, verbose=False)
+        except Exception:
+            params.n_ctx = old
+            raise
+        llm._ctx.close()
+        llm._ctx = fresh
+        llm._n_ctx = fresh.n_ctx()
+        llm.input_ids = np.ndarray((llm._n_ctx,), dtype=np.intc)
+        llm.input_ids[:kept] = tokens
+        llm.n_tokens = 0
+        llm._requires_eval = True
+        if saved is not None and llama_cpp.llama_state_seq_set_data(fresh.ctx, saved, len(saved), 0):
+            llm.n_tokens = kept
+        self.capabilities = attrs.evolve(self.capabilities, context_window=llm._n_ctx)
+
     def _decode(self, request: spec.GenerateRequest, cancel: threading.Event, emit: Any) -> None:
         s = request.sampling
         llm = self.llm
-        n_ctx = llm.n_ctx()
         prompt = list(request.prompt)
+        wanted = self._window_for(request)
+        if wanted is not None:
+            try:
+                self._resize(wanted)
+            except Exception as exc:  # noqa: BLE001 - the window it has still serves
+                log.warning("could not open a context of %d tokens: %s", wanted, exc)
+        n_ctx = llm.n_ctx()
+        if len(prompt) >= n_ctx:
+            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
+                               error=f"The prompt is {len(prompt)} tokens; the context window is {n_ctx} tokens"))
+            return
         masker, refused = self._constrainer.start(request)
         if refused is not None:
             emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=refused))
@@ -355,14 +447,16 @@ class LlamaEngine:
         ids = list(prompt)
         if not ids:
             raise sdk.LocalmError(400, "The prompt is empty")
-        if len(ids) > self.llm.n_ctx():
-            raise sdk.LocalmError(413, f"The prompt is {len(ids)} tokens; the context window is {self.llm.n_ctx()}",
+        if len(ids) > self._ctx_max:
+            raise sdk.LocalmError(413, f"The prompt is {len(ids)} tokens; the context window is {self._ctx_max}",
                                   code="context_length_exceeded")
         return await self._serial.call(self._logits_after, ids)
 
     def _logits_after(self, ids: list[int]) -> Any:
         """One pass over ``ids`` from an empty cache. The context then holds exactly ``ids``
         (llama-cpp-python's token record agrees), so the next generation reuses what matches."""
+        if len(ids) > self.llm.n_ctx():
+            self._resize(self._window_for(spec.GenerateRequest(prompt=tuple(ids))) or len(ids))
         llm = self.llm
         llm.reset()
         try:

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 from localm import sdk
 
 from . import fields, pipeline, scoring
@@ -266,10 +267,24 @@ def openai_error(status: int, detail: str, code: str | None, extra: dict[str, An
     return sdk.Response(body, status_code=status)
 
 
+@attrs.frozen
+class Settings:
+    task_max_tokens: int = sdk.setting(256, min=0, description="The reply cap of a front end's background task (a "
+                                                               "title, tags or follow-ups) that sends no max_tokens "
+                                                               "(0: none)")
+    default_max_tokens: int = sdk.setting(0, min=0, description="The reply cap of any other request that sends no "
+                                                                "max_tokens (0: none: the reply may fill the window)")
+
+
+@sdk.hookimpl
+def register_settings(register):
+    register(Settings)
+
+
 @sdk.hookimpl
 def startup(host, plugin):
     host.register_error_renderer("openai", openai_error, plugin=plugin.name)
-    host.provide("chat", ChatService(host), plugin=plugin.name)
+    host.provide("chat", ChatService(host, lambda: plugin.settings), plugin=plugin.name)
 
 
 @sdk.hookimpl

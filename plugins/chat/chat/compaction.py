@@ -73,8 +73,9 @@ class Compactor:
         while lead < len(messages) and messages[lead].get("role") in ("system", "developer"):
             lead += 1
         head, rest = messages[:lead], messages[lead:]
-        if len(rest) < 2:
-            return None
+        if len(rest) < 2:  # nothing older to summarise
+            raise TooLong(self._why(engine, head, rest[-1] if rest else {"role": "user", "content": ""}, tools,
+                                    thinking, window, room))
         stub = self._with_summary(head, "x " * SUMMARY_TOKENS)
         fixed, _ = chat_tokens(engine, [*stub, rest[-1]], tools=tools, thinking=thinking)
         if len(fixed) + room > window:
@@ -89,7 +90,7 @@ class Compactor:
         while keep > 1 and rest[-keep].get("role") == "tool":  # a result goes with the call before it
             keep -= 1
         older, tail = rest[:-keep], rest[-keep:]
-        if not older:
+        if not older:  # everything fits beside the summary's room: compacting gains nothing
             return None
         summary = await self.summarise(engine, model, older, window)
         compacted = [*self._with_summary(head, summary), *tail]
@@ -161,7 +162,7 @@ class Compactor:
     @staticmethod
     async def _generate(engine: Any, messages: list[dict[str, Any]]) -> str:
         prompt, _ = chat_tokens(engine, messages, thinking=False)
-        request = spec.GenerateRequest(prompt=tuple(prompt), cache_prompt=False,
+        request = spec.GenerateRequest(prompt=tuple(prompt), cache_prompt=False, window=len(prompt) + SUMMARY_TOKENS,
                                        sampling=spec.Sampling(max_tokens=SUMMARY_TOKENS, temperature=0.0,
                                                               repeat_penalty=1.1))
         out: list[str] = []

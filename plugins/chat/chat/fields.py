@@ -29,11 +29,11 @@ USED = {
              "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "max_tokens",
              "max_completion_tokens", "n", "cache_prompt", "logprobs", "top_logprobs", "return_tokens_as_token_ids",
              "response_format", "tools", "tool_choice", "parallel_tool_calls", "grammar", "grammar_lazy",
-             "grammar_triggers", "chat_template_kwargs", "reasoning_effort"},
+             "grammar_triggers", "chat_template_kwargs", "reasoning_effort", "num_ctx"},
     "completions": {"model", "prompt", "echo", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p",
                     "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "max_tokens",
                     "max_completion_tokens", "n", "cache_prompt", "logprobs", "return_tokens_as_token_ids",
-                    "add_special_tokens", "grammar", "grammar_lazy", "grammar_triggers"},
+                    "add_special_tokens", "grammar", "grammar_lazy", "grammar_triggers", "num_ctx"},
     "embeddings": {"model", "input", "encoding_format"},
     "rerank": {"model", "query", "documents", "top_n", "return_documents"},
 }

@@ -53,6 +53,9 @@ class Plan:
     interventions: tuple[spec.Intervention, ...] = ()  # steering for this request (forward_interventions)
     reads: tuple[spec.ActivationRead, ...] = ()  # residual reads for this request (forward_interventions)
     chat: spec.ChatInput | None = None  # the whole request, for an engine that answers messages
+    window: int | None = None  # the window the prompt and its reply need (a growable engine opens it)
+    num_ctx: int | None = None  # the window the client asked for
+    background: bool = False  # a front end's background task: queued after interactive requests
 
 
 @attrs.define
@@ -242,7 +245,8 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
     ledger = _Ledger() if plan.logprobs is not None else None
     request = spec.GenerateRequest(prompt=tuple(prompt), sampling=common.sampling, cache_prompt=common.cache_prompt,
                                    constraint=plan.constraint, logprobs=plan.logprobs,
-                                   interventions=plan.interventions, reads=plan.reads, chat=plan.chat)
+                                   interventions=plan.interventions, reads=plan.reads, chat=plan.chat,
+                                   window=plan.window, num_ctx=plan.num_ctx, background=plan.background)
     first_at = None
     ended = False
 
@@ -284,6 +288,7 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                 if first_at is None:
                     first_at = time.perf_counter()
                     outcome.ttft_ms = round((first_at - received) * 1000, 1)
+                    outcome.context_capacity = engine.capabilities.context_window  # grown for this request
                 if ledger is not None:
                     at = len(splitter.text)
                     ledger.add(at, at + len(event.text), _entry(engine, event))
@@ -293,6 +298,7 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                     break
             elif isinstance(event, spec.Finished):
                 outcome.activations = event.activations
+                outcome.context_capacity = engine.capabilities.context_window
                 if plan.chat is not None:  # an engine that answers messages counts (or not) itself
                     outcome.prompt_tokens, outcome.completion_tokens = event.prompt_tokens, event.completion_tokens
                 for item in decided(splitter.feed("", final=True)):

@@ -29,6 +29,10 @@ class Common:
     sampling: spec.Sampling
     stops: tuple[str, ...]
     cache_prompt: bool
+    #: the context window the client asked for (Ollama's options.num_ctx, or ``num_ctx`` on any route)
+    num_ctx: int | None = None
+    #: a front end's background task (a title, tags or follow-ups): capped and queued after interactive requests
+    background: bool = False
 
 
 class Reader:
@@ -111,8 +115,36 @@ def read_common(r: Reader) -> Common:
         if len(s) > MAX_STOP_CHARS:
             raise sdk.LocalmError(400, f"a stop sequence is {len(s)} characters; at most {MAX_STOP_CHARS}")
     stops = tuple(s for s in stops if s)
+    num_ctx = r.get("num_ctx", (int,), "an integer")
+    if num_ctx is not None and not 1 <= num_ctx <= MAX_NUM_CTX:
+        raise sdk.LocalmError(400, f"num_ctx must be from 1 to {MAX_NUM_CTX}, got {num_ctx}")
     return Common(model=model, stream=stream, include_usage=include_usage, sampling=sampling, stops=stops,
-                  cache_prompt=cache_prompt)
+                  cache_prompt=cache_prompt, num_ctx=num_ctx, background=background_task(r.body))
+
+
+#: The largest window a request may ask for with num_ctx (the engine opens at most its model's own).
+MAX_NUM_CTX = 1 << 24
+#: How Open WebUI's task prompts (titles, tags, follow-ups, queries, emoji, autocomplete) begin.
+TASK_PROMPT = "### Task:"
+
+
+def background_task(body: dict[str, Any]) -> bool:
+    """A front end's background task rather than a person waiting on a reply: the request's
+    ``metadata.task`` names one (Open WebUI's title_generation, tags_generation, ...), or its
+    last user message is one of Open WebUI's task prompts."""
+    meta = body.get("metadata")
+    if isinstance(meta, dict) and isinstance(meta.get("task"), str) and meta["task"]:
+        return True
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in reversed(messages):
+            if isinstance(message, dict) and message.get("role") == "user":
+                content = message.get("content")
+                if isinstance(content, list):
+                    content = next((p.get("text") for p in content if isinstance(p, dict)
+                                    and isinstance(p.get("text"), str)), "")
+                return isinstance(content, str) and content.lstrip().startswith(TASK_PROMPT)
+    return False
 
 
 ORIGINS = ("tool", "client")

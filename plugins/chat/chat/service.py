@@ -255,9 +255,22 @@ class ChatService:
     Call = pipeline.Call
     TOOL_OPEN, TOOL_CLOSE = constrained.TOOL_OPEN, constrained.TOOL_CLOSE
 
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: Any, settings: Any = None) -> None:
         self.host = host
         self.compactor = compaction.Compactor()
+        #: the chat plugin's settings (a mapping, read on each request)
+        self._settings = settings if settings is not None else {}
+
+    def _capped(self, common: Common) -> Common:
+        """A request that sends no max_tokens gets the chat plugin's cap for its kind: a front
+        end's background task ``task_max_tokens``, any other ``default_max_tokens`` (0: none)."""
+        if common.sampling.max_tokens is not None:
+            return common
+        settings = self._settings() if callable(self._settings) else self._settings
+        cap = settings.get("task_max_tokens" if common.background else "default_max_tokens") or None
+        if cap is None:
+            return common
+        return attrs.evolve(common, sampling=attrs.evolve(common.sampling, max_tokens=cap))
 
     @staticmethod
     def usage(outcome: pipeline.Outcome, *, timings: bool = True, capacity: bool = True) -> dict[str, Any]:
@@ -511,6 +524,7 @@ class ChatService:
                        received: float, chain: hooks.Chain, steering: Interventions,
                        fit: Any = None) -> Generation:
         host = self.host
+        common = self._capped(common)
         entry = host.models.resolve(common.model)
         if entry.role == "reranker":  # refused before it loads (and unloads another reranker)
             raise sdk.LocalmError(400, f"{entry.id} is a reranker: use /v1/rerank", code="not_a_chat_model")
@@ -535,16 +549,19 @@ class ChatService:
                                       code="field_not_honoured", field=min(steering.fields) if steering.fields
                                       else "steering")
             prompt, opened = render(engine)
-            window = caps.context_window
-            room = compaction.reply_room(common.sampling.max_tokens, window)
-            if fit is not None and len(prompt) + room > window:  # too long for the model: compact it
-                shorter = await fit(engine, entry, window, room)
+            # the window grows up to the model's ceiling; past it the conversation is compacted
+            limit = caps.context_limit
+            room = compaction.reply_room(common.sampling.max_tokens, limit)
+            if fit is not None and len(prompt) + room > limit:  # too long for the model: compact it
+                shorter = await fit(engine, entry, limit, room)
                 if shorter is not None:
                     prompt, opened = shorter
-            pipeline.check_fits(len(prompt), window)
+            pipeline.check_fits(len(prompt), limit)
         plan = pipeline.Plan(constraint=constraint, logprobs=options.logprobs, tools=options.tools,
                              reasoning=caps.reasoning and options.thinking is not False, thinking_open=opened,
-                             interventions=tuple(steering.items), reads=tuple(r for r, _ in steering.reads))
+                             interventions=tuple(steering.items), reads=tuple(r for r, _ in steering.reads),
+                             window=min(limit, len(prompt) + room), num_ctx=common.num_ctx,
+                             background=common.background)
         headers.update(steering.headers)
         seed = common.sampling.seed
         if seed is not None:

@@ -117,10 +117,53 @@ def _later(coro: Any) -> None:
     task.add_done_callback(_background.discard)
 
 
-async def _release(host: Any, entry: Any, keep: float | None) -> None:
-    """keep_alive 0: unload the model now, or once the other requests using it end."""
-    if keep != 0:
+#: Models a keep_alive gave a deadline: the time (epoch seconds) each is unloaded at, idle.
+_expiry: dict[str, float] = {}
+
+
+def _keep(host: Any, entry: Any, keep: float | None) -> None:
+    """keep_alive N: the model is unloaded N seconds after this request (a later request moves
+    the deadline, as on Ollama); negative: kept loaded; absent: as it was (localm keeps a
+    model loaded until it is unloaded)."""
+    if keep is None or keep == 0:
         return
+    if keep == translate.FOREVER:
+        _expiry.pop(entry.id, None)
+        return
+    deadline = time.time() + keep
+    _expiry[entry.id] = deadline
+    _later(_expire(host, entry.id, deadline))
+
+
+async def _expire(host: Any, model_id: str, deadline: float) -> None:
+    while _expiry.get(model_id) == deadline:
+        await asyncio.sleep(max(0.0, deadline - time.time()))
+        if _expiry.get(model_id) != deadline:
+            return  # a later request moved it
+        resident = host.models.resident.get(model_id)
+        if resident is None:
+            _expiry.pop(model_id, None)
+            return
+        if resident.in_flight:  # in use: look again in a second
+            deadline = _expiry[model_id] = time.time() + 1.0
+            continue
+        _expiry.pop(model_id, None)
+        await _unload(host, model_id)
+
+
+def expires_at(resident: Any) -> float | None:
+    """When a loaded model is unloaded (epoch seconds); None: it stays loaded."""
+    deadline = _expiry.get(resident.entry.id)
+    return deadline if deadline is not None and deadline >= resident.loaded_at else None
+
+
+async def _release(host: Any, entry: Any, keep: float | None) -> None:
+    """keep_alive 0: unload the model now, or once the other requests using it end; another
+    keep_alive sets when it is unloaded."""
+    if keep != 0:
+        _keep(host, entry, keep)
+        return
+    _expiry.pop(entry.id, None)
     resident = host.models.resident.get(entry.id)
     if resident is None:
         return
@@ -138,6 +181,7 @@ async def _load_form(host: Any, entry: Any, name: str, keep: float | None, strea
         reason = "unload"
     else:
         await _ensure_loaded(host, entry)
+        _keep(host, entry, keep)
         reason = "load"
     obj: dict[str, Any] = {"model": name, "created_at": info.rfc3339()}
     if kind == "chat":
@@ -401,7 +445,7 @@ async def tags_route(request: sdk.Request) -> dict[str, Any]:
          summary="Ollama: the loaded models")
 async def ps_route(request: sdk.Request) -> dict[str, Any]:
     host = sdk.host_of(request)
-    return {"models": [info.process(r) for r in list(host.models.resident.values())]}
+    return {"models": [info.process(r, expires_at(r)) for r in list(host.models.resident.values())]}
 
 
 @sdk.post("/api/show", scope="models:read", access="open_read", error_family="ollama",

@@ -175,11 +175,15 @@ def tag(entry: Any) -> dict[str, Any]:
             "size": entry.size_bytes, "digest": entry.sha256 or "", "details": Facts(entry).details()}
 
 
-def process(resident: Any) -> dict[str, Any]:
-    """One loaded model in /api/ps. localm keeps a model loaded until it is unloaded, so it
-    never expires (Ollama's "forever"); the engines here keep nothing in GPU memory."""
+def process(resident: Any, expires: float | None = None) -> dict[str, Any]:
+    """One loaded model in /api/ps: ``expires`` (epoch seconds) is when a keep_alive unloads it,
+    as Ollama computes it (the last request's end plus its keep_alive); without one localm keeps
+    a model loaded until it is unloaded (Ollama's "forever"). ``context_length`` is the window
+    it serves with now (a num_ctx request sets it; it grows as prompts need). The engines here
+    keep nothing in GPU memory."""
     entry = resident.entry
-    return {**tag(entry), "expires_at": rfc3339(int(resident.loaded_at * 1e9) + FOREVER_NS), "size_vram": 0,
+    at = int(expires * 1e9) if expires is not None else int(resident.loaded_at * 1e9) + FOREVER_NS
+    return {**tag(entry), "expires_at": rfc3339(at), "size_vram": 0,
             "context_length": resident.engine.capabilities.context_window}
 
 

@@ -137,10 +137,8 @@ def read_options(options: Any, out: dict[str, Any], ignored: list[str]) -> None:
             elif key == "num_predict":
                 if value > 0:  # 0, -1 (no limit) and -2 (fill the context) leave the reply uncapped
                     out["max_tokens"] = value
-            else:
-                # the context window is a setting of the engine plugin (n_ctx), fixed while a model is loaded
-                log.debug("options.num_ctx=%s accepted and not applied: the window is the engine's n_ctx", value)
-                ignored.append(where)
+            elif value > 0:  # the model serves with this window from this request on, as on Ollama
+                out["num_ctx"] = value
         elif key == "stop":
             stops = [value] if isinstance(value, str) else value
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

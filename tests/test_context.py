@@ -1,0 +1,268 @@
+"""The context window as a front end such as Open WebUI meets it: a window that grows from
+n_ctx to the model's trained context, Ollama's num_ctx, compaction past the ceiling on every
+surface, the clear refusal of what cannot fit, background tasks capped and queued after
+interactive requests, keep_alive, and the config resets. A real server runs SmolLM2 (trained
+for 8,192 tokens) on llama.cpp, opened at the default n_ctx of 4,096, with default settings;
+the clients are the official openai, ollama and anthropic SDKs (and httpx for the headers of
+streams)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from localm.kernel.engines import Turns
+from localm.sdk.testing import LocalmServer
+
+openai = pytest.importorskip("openai")
+ollama = pytest.importorskip("ollama")
+anthropic = pytest.importorskip("anthropic")
+pytest.importorskip("llama_cpp")
+
+MODEL = "smollm2-135m-instruct"
+TRAINED = 8192
+PLUGINS = ["chat", "llamacpp", "ollama", "anthropic"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalmServer]:
+    s = LocalmServer(tmp_path_factory.mktemp("context") / "data", plugins=PLUGINS).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server: LocalmServer) -> Any:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300)
+
+
+@pytest.fixture(scope="module")
+def olla(server: LocalmServer) -> Any:
+    return ollama.Client(host=server.url, timeout=300)
+
+
+def open_webui_tools(count: int = 36) -> list[dict[str, Any]]:
+    """Tool definitions of the size Open WebUI sends with every chat (36 of them, about 26 KB)."""
+    tools = []
+    for n in range(count):
+        properties = {name: {"type": "string", "description": f"The {name} the tool works on, as the user gave it."}
+                      for name in ("query", "target")}
+        tools.append({"type": "function", "function": {
+            "name": f"builtin_tool_{n}",
+            "description": ("Searches, fetches, reads or writes what the user asks about: notes, knowledge bases, "
+                            "web pages, chats, memories and files. Call it only when the user's request needs "
+                            "it, with the query filled in; it returns text for the assistant to answer from."),
+            "parameters": {"type": "object", "properties": properties, "required": ["query"]}}})
+    return tools
+
+
+def ps(server: LocalmServer) -> dict[str, Any]:
+    models = httpx.get(server.url + "/api/ps").json()["models"]
+    return {m["name"]: m for m in models}
+
+
+def conversation(turns: int, words: int = 220) -> list[dict[str, Any]]:
+    """A long chat: ``turns`` exchanges, each message about ``words`` words, then a question."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": "You are a helpful assistant."}]
+    for n in range(turns):
+        out.append({"role": "user", "content": f"Part {n} of my travel diary. " + " ".join(
+            f"On day {n} we walked past house number {n * 100 + k} and saw boats." for k in range(words // 12))})
+        out.append({"role": "assistant", "content": f"Thank you for part {n}. " + " ".join(
+            f"Noted: day {n}, house {n * 100 + k}." for k in range(words // 6))})
+    out.append({"role": "user", "content": "In one sentence: what did we see on the walks?"})
+    return out
+
+
+# --- the window grows -----------------------------------------------------------------
+
+def test_open_webuis_tools_are_answered_on_default_settings(server: LocalmServer, oai: Any, olla: Any) -> None:
+    tools = open_webui_tools()
+    assert len(json.dumps(tools)) > 20_000
+    r = olla.chat(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=tools,
+                  options={"num_predict": 8})
+    assert r.done and r.prompt_eval_count > 4096, r.prompt_eval_count
+    window = ps(server)[MODEL]["context_length"]
+    assert 4096 < window <= TRAINED and window > r.prompt_eval_count
+    raw = oai.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=tools, max_tokens=8)
+    assert raw.status_code == 200
+    done = raw.parse()
+    assert done.usage.prompt_tokens > 4096 and done.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    config = server.owner().get("/v1/config").json()
+    assert config["effective_ctx_max"] == TRAINED and config["effective_ctx_model"] == MODEL
+
+
+def test_the_grown_window_is_reported_in_usage(oai: Any) -> None:
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    capacity = r.usage.model_extra.get("context_capacity")
+    assert capacity is not None and 4096 < capacity <= TRAINED
+
+
+def test_num_ctx_sets_the_window_as_on_ollama(server: LocalmServer, olla: Any) -> None:
+    r = olla.chat(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                  options={"num_ctx": 8192, "num_predict": 4})
+    assert r.done
+    assert ps(server)[MODEL]["context_length"] == 8192
+    shown = olla.show(MODEL)
+    assert "num_ctx" in (shown.parameters or "") and "8192" in shown.parameters
+    olla.generate(model=MODEL, prompt="Hi", options={"num_ctx": 2048, "num_predict": 4})
+    assert ps(server)[MODEL]["context_length"] == 2048
+    # past the trained context the window stops at the model's own
+    olla.generate(model=MODEL, prompt="Hi", options={"num_ctx": 100_000, "num_predict": 4})
+    assert ps(server)[MODEL]["context_length"] == TRAINED
+    # the field is read, not reported as ignored
+    r = httpx.post(server.url + "/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False,
+                                                        "options": {"num_ctx": 4096, "num_predict": 2}})
+    assert r.status_code == 200 and "num_ctx" not in r.headers.get("x-localm-ignored-fields", "")
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "num_ctx": 0,
+                                                                "messages": [{"role": "user", "content": "Hi"}]})
+    assert bad.status_code == 400 and "num_ctx" in bad.text
+
+
+# --- compaction --------------------------------------------------------------------
+
+LONG = conversation(24)
+
+
+def test_the_long_conversation_is_past_the_trained_context() -> None:
+    words = sum(len(m["content"].split()) for m in LONG)
+    assert words > 9000  # about 12,000 tokens: more than the 8,192 the model was trained for
+
+
+def test_compacted_on_the_openai_route(oai: Any) -> None:
+    raw = oai.chat.completions.with_raw_response.create(model=MODEL, messages=LONG, max_tokens=24)
+    assert raw.status_code == 200 and raw.headers["x-localm-context-compacted"] == "1"
+    r = raw.parse()
+    assert r.choices[0].message.content and r.usage.prompt_tokens < TRAINED
+    with oai.chat.completions.with_streaming_response.create(model=MODEL, messages=LONG, max_tokens=24,
+                                                             stream=True) as stream:
+        assert stream.headers["x-localm-context-compacted"] == "1"
+        text = "".join(line for line in stream.iter_lines())
+    assert "compacting" in text and '"finish_reason":"error"' not in text.replace(" ", "")
+
+
+def test_compacted_on_the_ollama_route(server: LocalmServer, olla: Any) -> None:
+    body = {"model": MODEL, "messages": LONG, "options": {"num_predict": 24}}
+    r = httpx.post(server.url + "/api/chat", json={**body, "stream": False}, timeout=300)
+    assert r.status_code == 200 and r.headers["x-localm-context-compacted"] == "1", r.text
+    assert r.json()["message"]["content"]
+    with httpx.stream("POST", server.url + "/api/chat", json=body, timeout=300) as s:
+        assert s.status_code == 200 and s.headers["x-localm-context-compacted"] == "1"
+        lines = [json.loads(line) for line in s.iter_lines() if line]
+    assert lines[-1]["done"] is True and lines[-1]["done_reason"] in ("stop", "length")
+    assert olla.chat(model=MODEL, messages=LONG, options={"num_predict": 8}).done
+
+
+def test_compacted_on_the_anthropic_route(server: LocalmServer) -> None:
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", timeout=300)
+    raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=24, system=LONG[0]["content"],
+                                                   messages=LONG[1:])
+    assert raw.status_code == 200 and raw.headers["x-localm-context-compacted"] == "1"
+    assert raw.parse().content[0].text
+    body = {"model": MODEL, "max_tokens": 24, "system": LONG[0]["content"], "messages": LONG[1:], "stream": True}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=300) as s:
+        assert s.status_code == 200 and s.headers["x-localm-context-compacted"] == "1"
+        text = "".join(s.iter_lines())
+    assert "message_stop" in text
+
+
+def test_what_cannot_fit_even_after_compaction_is_refused(server: LocalmServer, oai: Any) -> None:
+    giant = " ".join(f"word{n}" for n in range(9000))  # one message longer than the model was trained for
+    messages = [*LONG[:3], {"role": "user", "content": giant}]
+    with pytest.raises(openai.APIStatusError) as err:
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    assert err.value.status_code == 413
+    assert "even after compaction" in str(err.value) and "8192" in str(err.value)
+    r = httpx.post(server.url + "/api/chat", json={"model": MODEL, "messages": messages}, timeout=300)
+    assert r.status_code == 400 and "even after compaction" in r.json()["error"]  # Ollama's status for it
+
+
+# --- Ollama's replies ------------------------------------------------------------------
+
+def test_unload_and_load_replies_parse_with_the_ollama_client(server: LocalmServer, olla: Any) -> None:
+    r = olla.generate(model=MODEL, keep_alive=0)
+    assert r.done and r.done_reason == "unload"
+    assert MODEL not in ps(server)
+    raw = httpx.post(server.url + "/api/generate", json={"model": MODEL})
+    assert raw.headers["content-type"].startswith("application/json") and raw.json()["done_reason"] == "load"
+    r = olla.chat(model=MODEL, messages=[], keep_alive=0)
+    assert r.done and r.done_reason == "unload"
+
+
+def test_keep_alive_sets_when_the_model_is_unloaded(server: LocalmServer, olla: Any) -> None:
+    olla.generate(model=MODEL, prompt="Hi", options={"num_predict": 2}, keep_alive="2s")
+    expires = dt.datetime.fromisoformat(ps(server)[MODEL]["expires_at"].replace("Z", "+00:00"))
+    left = (expires - dt.datetime.now(dt.UTC)).total_seconds()
+    assert 0 < left <= 2.5, left
+    deadline = time.monotonic() + 15
+    while MODEL in ps(server) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert MODEL not in ps(server)
+    olla.generate(model=MODEL, prompt="Hi", options={"num_predict": 2}, keep_alive=-1)
+    assert ps(server)[MODEL]["expires_at"] > "2200"  # Ollama's forever
+
+
+# --- background tasks ------------------------------------------------------------------
+
+TASK = ("### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history.\n"
+        "### Chat History:\n<chat_history>\nUSER: Write a very long story about the sea.\n</chat_history>")
+
+
+def test_a_background_task_is_capped(oai: Any, server: LocalmServer) -> None:
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": TASK}],
+                                    extra_body={"repeat_penalty": 1.0, "temperature": 0})
+    assert r.usage.completion_tokens <= 256
+    # the cap is a setting of the chat plugin
+    owner = server.owner()
+    assert owner.post("/v1/plugins/chat/settings", json={"task_max_tokens": 5}).status_code == 200
+    try:
+        r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
+                                        extra_body={"metadata": {"task": "title_generation"}})
+        assert r.usage.completion_tokens <= 5
+    finally:
+        owner.post("/v1/plugins/chat/settings", json={"task_max_tokens": None})
+
+
+def test_interactive_requests_go_before_waiting_background_ones() -> None:
+    async def scenario() -> list[str]:
+        turns = Turns()
+        order: list[str] = []
+
+        async def one(name: str, background: bool, hold: float) -> None:
+            async with turns(background):
+                order.append(name)
+                await asyncio.sleep(hold)
+
+        first = asyncio.create_task(one("running", False, 0.05))
+        await asyncio.sleep(0)
+        waiting = [asyncio.create_task(one("title", True, 0)), asyncio.create_task(one("tags", True, 0))]
+        await asyncio.sleep(0)
+        user = asyncio.create_task(one("user", False, 0))
+        await asyncio.sleep(0)
+        gone = asyncio.create_task(one("left", False, 0))
+        await asyncio.sleep(0)
+        gone.cancel()  # a client that leaves while it waits gives up its place
+        await asyncio.gather(first, user, *waiting, return_exceptions=True)
+        return order
+
+    assert asyncio.run(scenario()) == ["running", "user", "title", "tags"]
+
+
+# --- config -------------------------------------------------------------------------------
+
+def test_config_set_plugins_null_resets_and_no_null_is_stored(server: LocalmServer) -> None:
+    r = server.cli("config", "set", "plugins", '{"llamacpp": {"n_batch": 256, "n_threads": null}}')
+    assert r.returncode == 0, r.stderr
+    stored = json.loads((server.data_dir / "config.json").read_text())
+    assert stored["plugins"] == {"llamacpp": {"n_batch": 256}}
+    r = server.cli("config", "set", "plugins", "null")
+    assert r.returncode == 0, r.stderr
+    assert "plugins" not in json.loads((server.data_dir / "config.json").read_text())
+    assert server.owner().get("/v1/config").json()["plugins"] == {}
