@@ -106,24 +106,6 @@ class Row:
     text: str
 
 
-
-def _import_chromadb() -> tuple[Any, Any]:
-    """chromadb and its Settings. An import that races another thread's import of a package
-    chromadb shares (a model loading beside the first indexing) can fail with a partially
-    initialised module: it is tried again a few times before it counts as missing."""
-    import importlib.util
-    for attempt in range(5):
-        try:
-            import chromadb
-            from chromadb.config import Settings
-            return chromadb, Settings
-        except ImportError as exc:
-            if importlib.util.find_spec("chromadb") is None or attempt == 4:
-                raise
-            log.warning("chromadb import failed (%s); trying again", exc)
-            time.sleep(0.2 * (attempt + 1))
-    raise ImportError("chromadb")
-
 class Vectors:
     """The embedded chromadb, opened on first use (importing chromadb takes a second or two).
 
@@ -141,7 +123,8 @@ class Vectors:
         with self._lock:
             if self._client is None and self._error is None:
                 try:
-                    chromadb, Settings = _import_chromadb()
+                    import chromadb
+                    from chromadb.config import Settings
                     self.folder.mkdir(parents=True, exist_ok=True)
                     self._client = chromadb.PersistentClient(
                         path=str(self.folder), settings=Settings(anonymized_telemetry=False, allow_reset=False))
