@@ -111,13 +111,14 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_prompt_longer_than_the_window_is_413_before_any_token(client: openai.OpenAI, stream: bool) -> None:
-    long = [{"role": "user", "content": "sea " * 5000}]
+    # longer than the 8,192 tokens the model was trained for: the window cannot grow to it
+    long = [{"role": "user", "content": "sea " * 9000}]
     with pytest.raises(openai.APIStatusError) as err:
         client.chat.completions.create(model=MODEL, messages=long, max_tokens=5, stream=stream)
     assert err.value.status_code == 413
     body = err.value.response.json()
     assert body["code"] == "context_length_exceeded" and body["error"]["code"] == "context_length_exceeded"
-    assert "4096" in body["detail"] and "tokens" in body["detail"]
+    assert "8192" in body["detail"] and "tokens" in body["detail"]
 
 
 @pytest.mark.parametrize("extra, status", [

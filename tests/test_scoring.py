@@ -304,7 +304,7 @@ def _refused(call: Callable[[], Any]) -> tuple[int, dict[str, Any]]:
     ("completions", {"logprobs": 1, "echo": True}, 400, "field_not_honoured"),
     ("completions", {"logprobs": 1, "top_logprobs": 2}, 400, "field_not_honoured"),
     ("completions", {"allowed_token_ids": ["a"]}, 422, None),
-    ("completions", {"prompt": "sea " * 5000, "logprobs": 1}, 413, "context_length_exceeded"),
+    ("completions", {"prompt": "sea " * 9000, "logprobs": 1}, 413, "context_length_exceeded"),
     ("chat", {"logprobs": True, "response_format": {"type": "json_object"}}, 400, "field_not_honoured"),
     ("chat", {"logprobs": True, "profile": "honest"}, 400, "field_not_honoured"),
     ("chat", {"logprobs": True, "steering_intensity": 0.5}, 400, "field_not_honoured"),

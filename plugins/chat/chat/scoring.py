@@ -269,7 +269,7 @@ def _prompt_tokens(engine: Any, ask: _Ask) -> list[list[int]]:
     else:  # rendered as for generation (untrusted spans, tool turns, thinking), no special tokens added
         from .prompt import chat_tokens
         prompts = [chat_tokens(_AsWritten(engine), ask.messages, thinking=ask.thinking)[0]]
-    window = engine.capabilities.context_window
+    window = engine.capabilities.context_limit  # the window grows to score a longer prompt
     for i, ids in enumerate(prompts):
         if not ids:
             which = "The prompt" if len(prompts) == 1 else f"prompt[{i}]"
