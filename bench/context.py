@@ -39,8 +39,10 @@ MODEL = "smollm2-135m-instruct"
 
 def prompt(n: int, tokens: int) -> str:
     """A prompt of about ``tokens`` tokens that no earlier request began with."""
-    words = [f"item{n}-{k}" for k in range(tokens // 4)]
-    return f"Request {n}. Read this list and say only OK.\n" + " ".join(words)
+    common = ("the sea and the boat went out to the bay at dawn while gulls called over the harbour wall and "
+              "fishermen mended their nets in the cold morning light").split()
+    words = [common[k % len(common)] for k in range(tokens - 40)]
+    return f"Request {n}: read this text and say only OK.\n" + " ".join(words)
 
 
 def ttft(server: LocalmServer, text: str) -> tuple[float, int, int]:
