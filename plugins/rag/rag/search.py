@@ -137,6 +137,25 @@ def fuse(vector: list[tuple[str, float]], lexical: list[tuple[str, float]]) -> l
     return sorted(found.values(), key=lambda c: (-c.score, c.id))
 
 
+def holds(word: str, text: str) -> bool:
+    """Whether ``text`` holds ``word`` as whole tokens (``BX-0503`` in "record BX-0503 lists")."""
+    tokens = " " + " ".join(_TOKEN.findall(text.lower())) + " "
+    return " " + " ".join(_TOKEN.findall(word.lower())) + " " in tokens
+
+
+def exact_first(candidates: list[Candidate], texts: dict[str, str], words: list[str]) -> list[Candidate]:
+    """Candidates holding one of the query's identifiers (a code, a part number) count as
+    ranked first by a third list: an exact ``ERR-4471`` then outranks a chunk that only
+    embeds close to it, instead of tying with it in the fusion."""
+    idents = [w for w in words if identifier(w)]
+    if not idents:
+        return candidates
+    for c in candidates:
+        if c.id in texts and any(holds(w, texts[c.id]) for w in idents):
+            c.score += 1.0 / (RRF_K + 1)
+    return sorted(candidates, key=lambda c: (-c.score, c.id))
+
+
 def hit(candidate: Candidate, row: Any, doc: dict[str, Any] | None, text: str, collection: str) -> dict[str, Any]:
     """A search hit as the query route and the chat sources show it."""
     return {"id": row.id, "collection": collection, "path": row.path,

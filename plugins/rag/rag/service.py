@@ -421,6 +421,8 @@ class Knowledge:
         candidates = search.fuse(vector_hits, lexical_hits)
         rows = await asyncio.to_thread(col.rows, [c.id for c in candidates])
         candidates = [c for c in candidates if c.id in rows]  # vectors no row names (a crash mid-write)
+        if mode == "hybrid":
+            candidates = search.exact_first(candidates, {c.id: _embed_text(rows[c.id]) for c in candidates}, words)
         if relevant_only:
             floor = float(self.settings.get("relevance_floor") or info.get("floor") or search.FLOOR_MIN)
             query_words = search.terms(query) + (search.terms(context) if context_used else [])
