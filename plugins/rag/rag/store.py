@@ -336,6 +336,20 @@ class Collection:
             row["missing"] = row["kind"] == "file" and not os.path.isfile(row["path"])
         return rows
 
+    def sources(self) -> list[dict[str, Any]]:
+        """Each document's ``path`` and ``kind`` only (what confinement checks), without a stat."""
+        with self.connect() as conn:
+            return [dict(r) for r in conn.execute("SELECT path, kind FROM docs")]
+
+    def docs_for(self, paths: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The documents at ``paths`` (the hits of one query), by path."""
+        wanted = sorted(set(paths))
+        if not wanted:
+            return {}
+        with self.connect() as conn:
+            marks = ",".join("?" * len(wanted))
+            return {r["path"]: dict(r) for r in conn.execute(f"SELECT * FROM docs WHERE path IN ({marks})", wanted)}
+
     def doc(self, path: str) -> dict[str, Any] | None:
         with self.connect() as conn:
             row = conn.execute("SELECT * FROM docs WHERE path = ?", (path,)).fetchone()
