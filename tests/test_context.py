@@ -266,3 +266,63 @@ def test_config_set_plugins_null_resets_and_no_null_is_stored(server: LocalmServ
     assert r.returncode == 0, r.stderr
     assert "plugins" not in json.loads((server.data_dir / "config.json").read_text())
     assert server.owner().get("/v1/config").json()["plugins"] == {}
+
+
+# --- an engine of a plugin's own ------------------------------------------------------------
+
+WINDOW_PLUGIN = {
+    "plugin.toml": 'id = "window"\nversion = "0.1.0"\ndescription = "window-echo"\nentry = "window"\n'
+                   'requires = ["chat"]\n',
+    "window.py": '''\
+from localm import sdk
+from localm.sdk import engines
+
+
+class WindowEngine:
+    engine = "window"
+    capabilities = engines.Capabilities(context_window=0, messages=True)
+    busy = 0
+
+    async def generate(self, request):
+        yield engines.Token(id=-1, text=f"num_ctx={request.num_ctx} background={request.background}")
+        yield engines.Finished(reason="stop", prompt_tokens=0, completion_tokens=1)
+
+    def close(self):
+        pass
+
+
+@sdk.hookimpl
+def register_engines(register):
+    register("window", lambda entry, options: WindowEngine())
+
+
+@sdk.hookimpl
+def startup(host, plugin):
+    host.models.provide(plugin.name, [{"id": "window-echo", "engine": "window"}])
+''',
+}
+
+
+def test_a_plugins_messages_engine_gets_num_ctx_and_background(tmp_path: Any) -> None:
+    """An engine that takes whole chat requests still learns the window the client asked for
+    and whether the request is a front end's background task (a remote engine queues by it)."""
+    source = tmp_path / "window-plugin"
+    source.mkdir()
+    for name, text in WINDOW_PLUGIN.items():
+        (source / name).write_text(text)
+    s = LocalmServer(tmp_path / "data", plugins=["chat", "ollama", "window"])
+    assert s.cli("plugin", "install", str(source)).returncode == 0
+    s.start()
+    try:
+        client = s.owner()
+        r = client.post("/api/chat", json={"model": "window-echo", "stream": False, "options": {"num_ctx": 2048},
+                                           "messages": [{"role": "user", "content": "### Task:\nGenerate a title"}]})
+        assert r.json()["message"]["content"] == "num_ctx=2048 background=True", r.text
+        r = client.post("/v1/chat/completions", json={"model": "window-echo", "metadata": {"task": "tags_generation"},
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert r.json()["choices"][0]["message"]["content"] == "num_ctx=None background=True", r.text
+        r = client.post("/v1/chat/completions", json={"model": "window-echo",
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert r.json()["choices"][0]["message"]["content"] == "num_ctx=None background=False", r.text
+    finally:
+        s.stop()
