@@ -75,14 +75,19 @@ def match_expression(words: list[str]) -> str:
     return " OR ".join(parts)
 
 
+def _spaced(text: str) -> str:
+    """``text``'s word tokens, lower-cased, between single spaces (a phrase is then a substring)."""
+    return " " + " ".join(_TOKEN.findall(text.lower())) + " "
+
+
 def lexically_relevant(query_words: list[str], text: str) -> bool:
     """The chunk holds one of the query's identifiers, or most of its content words."""
     if not query_words:
         return False
-    tokens = " " + " ".join(_TOKEN.findall(text.lower())) + " "
+    tokens = _spaced(text)
 
     def has(word: str) -> bool:
-        return " " + " ".join(_TOKEN.findall(word.lower())) + " " in tokens
+        return _spaced(word) in tokens
 
     if any(identifier(w) and has(w) for w in query_words):
         return True
@@ -139,8 +144,7 @@ def fuse(vector: list[tuple[str, float]], lexical: list[tuple[str, float]]) -> l
 
 def holds(word: str, text: str) -> bool:
     """Whether ``text`` holds ``word`` as whole tokens (``BX-0503`` in "record BX-0503 lists")."""
-    tokens = " " + " ".join(_TOKEN.findall(text.lower())) + " "
-    return " " + " ".join(_TOKEN.findall(word.lower())) + " " in tokens
+    return _spaced(word) in _spaced(text)
 
 
 def exact_first(candidates: list[Candidate], texts: dict[str, str], words: list[str]) -> list[Candidate]:
