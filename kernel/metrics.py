@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import Any
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -58,6 +59,8 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tps = Histogram(TPS_BUCKETS)
         self.queue_depth = 0
+        self.slots_active = 0
+        self.slots = 0
         self.models_loaded = 0
         self.vram: tuple[int, int] | None = None
 
@@ -77,6 +80,17 @@ class Metrics:
             self.ttft.observe(ttft)
         if tokens_per_sec is not None:
             self.tps.observe(tokens_per_sec)
+
+    def observe_engines(self, engines: list[Any]) -> None:
+        """The inference gauges from the loaded models' engines: their slots, the requests
+        decoding in them and the requests waiting for one."""
+        slots = active = waiting = 0
+        for engine in engines:
+            n = int(getattr(engine, "slots", 1) or 1)
+            busy = int(getattr(engine, "busy", 0) or 0)
+            running = min(int(getattr(engine, "active", min(busy, n))), n, busy)
+            slots, active, waiting = slots + n, active + running, waiting + max(0, busy - running)
+        self.slots, self.slots_active, self.queue_depth = slots, active, waiting
 
     def render(self) -> str:
         out: list[str] = []
@@ -105,6 +119,10 @@ class Metrics:
         out.extend(self.tps.lines("localm_tokens_per_second", ""))
         head("localm_inference_queue_depth", "gauge", "Requests waiting for a loaded model's inference slot")
         out.append(f"localm_inference_queue_depth {self.queue_depth}")
+        head("localm_inference_slots_active", "gauge", "Requests decoding now, over every loaded model")
+        out.append(f"localm_inference_slots_active {self.slots_active}")
+        head("localm_inference_slots", "gauge", "Requests the loaded models can decode at once")
+        out.append(f"localm_inference_slots {self.slots}")
         head("localm_models_loaded", "gauge", "Models resident in memory")
         out.append(f"localm_models_loaded {self.models_loaded}")
         if self.vram is not None:

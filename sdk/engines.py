@@ -9,6 +9,7 @@ from localm.kernel.constrain import (
 )
 from localm.kernel.engines import (
     ActivationRead,
+    Batched,
     Capabilities,
     ChatInput,
     Constraint,
@@ -19,6 +20,7 @@ from localm.kernel.engines import (
     FinishReason,
     GenerateRequest,
     Intervention,
+    Job,
     Queued,
     Ranked,
     Sampling,
@@ -26,8 +28,9 @@ from localm.kernel.engines import (
     Started,
     Status,
     Token,
+    Turns,
 )
 
-__all__ = ["LOGPROB_FLOOR", "ActivationRead", "Capabilities", "ChatInput", "Constrainer", "Constraint", "Engine", "EngineError",
-           "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Queued", "Ranked", "Sampling",
-           "Serial", "Started", "Status", "Token", "TokenMasker", "logprob_entry", "safe_logprob"]
+__all__ = ["LOGPROB_FLOOR", "ActivationRead", "Batched", "Capabilities", "ChatInput", "Constrainer", "Constraint",
+           "Engine", "EngineError", "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Job", "Queued", "Ranked", "Sampling",
+           "Serial", "Started", "Status", "Token", "TokenMasker", "Turns", "logprob_entry", "safe_logprob"]

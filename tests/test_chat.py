@@ -158,25 +158,30 @@ def test_completions(client: openai.OpenAI) -> None:
     assert cut.choices[0].finish_reason == "stop" and text.startswith(cut.choices[0].text)
 
 
-def test_a_second_request_waits_and_says_so(server: LocalmServer) -> None:
+def test_a_request_beyond_the_slots_waits_and_says_so(server: LocalmServer) -> None:
+    slots = server.owner().get(f"/v1/models/{MODEL}").json()["parallel_slots"]
+    assert slots == 4  # the llama.cpp engine's default n_parallel
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 60, "stream": True, "temperature": 0}
-    first_started = threading.Event()
-    first: list[dict[str, Any]] = []
+    started = [threading.Event() for _ in range(slots)]
+    running: list[list[dict[str, Any]]] = [[] for _ in range(slots)]
 
-    def run_first() -> None:
+    def run(i: int) -> None:
         for chunk in sse_events(server, "/v1/chat/completions", body):
-            first.append(chunk)
-            if len(first) == 3:
-                first_started.set()
+            running[i].append(chunk)
+            if len(running[i]) == 3:
+                started[i].set()
 
-    t = threading.Thread(target=run_first)
-    t.start()
-    assert first_started.wait(60)
-    second = list(sse_events(server, "/v1/chat/completions", {**body, "max_tokens": 3}))
-    t.join(60)
-    statuses = [c["choices"][0]["delta"].get("status_code") for c in second if c["choices"]]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(slots)]
+    for t in threads:
+        t.start()
+    assert all(event.wait(60) for event in started)
+    extra = list(sse_events(server, "/v1/chat/completions", {**body, "max_tokens": 3}))
+    for t in threads:
+        t.join(60)
+    statuses = [c["choices"][0]["delta"].get("status_code") for c in extra if c["choices"]]
     assert "waiting" in statuses
-    assert first[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") for chunks in running)
+    assert extra[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_dropped_stream_frees_the_model(server: LocalmServer, client: openai.OpenAI) -> None:
@@ -208,7 +213,7 @@ def test_models_routes(server: LocalmServer, client: openai.OpenAI) -> None:
         "status": "unloaded", "model": MODEL, "was_active": True}
     assert owner.post("/v1/models/unload", params={"model": MODEL}).json()["status"] == "already_unloaded"
     assert owner.post("/v1/models/unload", params={"model": "nope"}).status_code == 404
-    assert owner.post("/v1/models/load").json() == {"status": "loaded", "model": MODEL}
+    assert owner.post("/v1/models/load").json() == {"status": "loaded", "model": MODEL, "parallel_slots": 4}
     renamed = owner.post("/v1/models/rename", params={"model": MODEL, "new_name": "Tiny Chat"}).json()
     assert renamed == {"status": "renamed", "model": MODEL, "new_name": "tiny-chat", "notes": []}
     try:

@@ -48,6 +48,9 @@ async def read_model(request: Request, model_id: str) -> dict[str, Any]:
         out["context_capacity"] = resident.engine.capabilities.context_window  # the window open now
         out["context_max"] = resident.engine.capabilities.context_limit  # the most it grows to
         out["busy"] = resident.engine.busy  # requests running or queued on it
+        slots = int(getattr(resident.engine, "slots", 1) or 1)
+        if slots > 1:  # it answers that many requests at once
+            out["parallel_slots"] = slots
         out["in_flight"] = resident.in_flight  # requests holding it (a load or an unload waits for them)
         out["unloading"] = resident.unloading
     return out
@@ -57,7 +60,11 @@ async def read_model(request: Request, model_id: str) -> dict[str, Any]:
 async def load_model(request: Request, model: str | None = None) -> dict[str, Any]:
     k = kernel_of(request)
     resident, fresh = await k.models.load(model)
-    return {"status": "loaded" if fresh else "already_loaded", "model": resident.entry.id}
+    out = {"status": "loaded" if fresh else "already_loaded", "model": resident.entry.id}
+    slots = int(getattr(resident.engine, "slots", 1) or 1)
+    if slots > 1:  # it answers that many requests at once
+        out["parallel_slots"] = slots
+    return out
 
 
 @post("/v1/models/unload", scope="models:write", summary="Unload a model, or every loaded model")

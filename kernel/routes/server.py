@@ -24,8 +24,10 @@ async def restart(request: Request) -> dict[str, Any]:
 
 @get("/metrics", scope="admin", opt={"gate": True}, summary="Prometheus text-format metrics")
 async def metrics(request: Request) -> Response:
-    m = kernel_of(request).metrics
+    k = kernel_of(request)
+    m = k.metrics
     assert m is not None  # the route is mounted only when metrics are on
+    m.observe_engines([resident.engine for resident in list(k.models.resident.values())])
     return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

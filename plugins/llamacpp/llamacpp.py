@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 import warnings
+from collections import deque
 from typing import Any, AsyncIterator, Sequence
 
 import attrs
@@ -39,7 +40,11 @@ class Settings:
     ctx_memory_mb: int = sdk.setting(4096, min=16, description="The memory a model's context (its KV cache) may take "
                                                                "as it grows, in MiB")
     n_threads: int = sdk.setting(0, min=0, description="CPU threads for generation (0: one per core)")
-    n_batch: int = sdk.setting(512, min=1, description="Prompt tokens processed per step")
+    n_batch: int = sdk.setting(512, min=1, description="Tokens decoded per step: the running replies' next tokens "
+                                                       "and as much of a new prompt as fits")
+    n_parallel: int = sdk.setting(4, min=1, max=64, description="Requests a model decodes at once, in one batch a "
+                                                                "step; each has a window of its own (restart-free: "
+                                                                "takes effect when a model loads)")
 
 
 def _meta_int(meta: dict[str, Any], key: str) -> int | None:
@@ -115,6 +120,33 @@ def _tensor_names(path: str) -> set[str]:
     return names
 
 
+def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _Sequence:
+    """A request's state in the decode loop."""
+
+    __slots__ = ("masker", "slot", "feed", "sampler", "decoder", "prompting", "n", "started", "first")
+
+    def __init__(self, masker: spec.TokenMasker | None) -> None:
+        self.masker = masker
+        self.slot: int | None = None
+        self.feed: list[int] = []  # tokens to decode next: the prompt's rest, then the last token drawn
+        self.sampler: Any = None
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.prompting = True
+        self.n = 0
+        self.started: float | None = None
+        self.first: float | None = None
+
+
 class LlamaEngine:
     engine = "llamacpp"
 
@@ -160,11 +192,13 @@ class LlamaEngine:
         arch = meta.get("general.architecture", "")
         #: The ceiling the window grows to: the trained context (or n_ctx_max), within the memory budget.
         self._ctx_max = self.llm.n_ctx()
+        #: Requests decoded at once; each slot is a sequence with a window of its own.
+        self._slots = 1 if self.reranker else int(settings.get("n_parallel") or 1)
         if not self.reranker:
             ceiling = min(n_ctx_train or 1 << 30, settings.get("n_ctx_max") or 1 << 30)
             per_token = _kv_bytes_per_token(meta, arch)
             if per_token:
-                ceiling = min(ceiling, int(settings.get("ctx_memory_mb", 4096)) * 2**20 // per_token)
+                ceiling = min(ceiling, int(settings.get("ctx_memory_mb", 4096)) * 2**20 // (per_token * self._slots))
             if ceiling == 1 << 30:
                 ceiling = self.llm.n_ctx()
             self._ctx_max = max(self.llm.n_ctx(), ceiling)
@@ -191,12 +225,36 @@ class LlamaEngine:
             self._formatter = Jinja2ChatFormatter(
                 template=self.template, eos_token=vocab._model.token_get_text(vocab.token_eos()),
                 bos_token=vocab._model.token_get_text(vocab.token_bos()), add_generation_prompt=True)
-        self._serial = spec.Serial("llamacpp")
+        self._n_vocab = self.llm.n_vocab()
+        self._n_batch = max(int(settings["n_batch"]), self._slots)
+        self._batch: Any = None
+        self._queue: Any
+        if self.reranker:
+            self._queue = spec.Serial("llamacpp")
+            self._n_ctx_slot = self._window
+        else:
+            try:
+                fresh = self._new_context(self.llm.n_ctx())
+            except Exception as exc:
+                self.llm.close()
+                raise spec.EngineError(f"llama.cpp could not open {self._slots} slots of {self.llm.n_ctx()} tokens "
+                                       f"for {name}: {exc}") from exc
+            self.llm._ctx.close()
+            self.llm._ctx = fresh
+            self._n_ctx_slot = self._slot_window()
+            self.capabilities = attrs.evolve(self.capabilities, context_window=self._n_ctx_slot)
+            self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
+            self._slot_tokens: list[list[int]] = [[] for _ in range(self._slots)]
+            self._slot_user: list[spec.Job | None] = [None] * self._slots
+            self._slot_used = [0.0] * self._slots
+            self._waiting: deque[spec.Job] = deque()
+            self._running: list[spec.Job] = []
+            self._queue = spec.Batched("llamacpp", self._slots, admit=self._admit, step=self._step,
+                                       abort=self._abort)
         self._eog = self._end_of_generation_check()
         self._path = path
         self._threads = threads
         self._embedder: Any = None
-        self._n_vocab = self.llm.n_vocab()
         self._constrainer = spec.Constrainer(self._grammar_tokenizer, self.token_bytes)
 
     def _grammar_tokenizer(self) -> Any:
@@ -251,7 +309,17 @@ class LlamaEngine:
     # --- generation --------------------------------------------------------------------
     @property
     def busy(self) -> int:
-        return self._serial.busy
+        return self._queue.busy
+
+    @property
+    def slots(self) -> int:
+        """How many requests the engine decodes at once."""
+        return self._slots
+
+    @property
+    def active(self) -> int:
+        """Requests decoding now."""
+        return getattr(self._queue, "active", min(self._queue.busy, 1))
 
     def _is_eog(self, token: int) -> bool:
         return self._eog(token)
@@ -266,42 +334,109 @@ class LlamaEngine:
 
     def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
         self._refuse_unless_chat()
-        return self._serial.generate(request, self._decode)
+        return self._queue.generate(request)
 
     def _mask_processor(self, masker: spec.TokenMasker) -> Any:
-        """A llama-cpp-python logits processor that applies the grammar's mask.
-
-        llama-cpp-python runs it first in its sampler chain (before penalties, top-k/p, min-p,
-        temperature and the draw), on the candidates array it has just filled from the raw
-        logits in token order; the logits themselves are left as the model wrote them, which is
-        where the log probabilities are read. It runs inside a ctypes callback, where an
-        exception would be printed and lost, so a failure is kept on the masker instead.
-        """
-        n_vocab = self._n_vocab
-
-        def process(input_ids: Any, logits: Any) -> Any:
-            try:
-                if logits.shape[0] != n_vocab:
-                    raise RuntimeError(f"llama.cpp offered {logits.shape[0]} candidates, not {n_vocab}")
-                masker.apply(logits)
-            except Exception as exc:  # noqa: BLE001 - reported through the masker
-                masker.error = masker.error or f"the grammar mask failed: {exc}"
-            return logits
-        return process
-
-    def _raw_logits(self) -> Any:
-        """A view of the logits that produced the token just drawn (valid until the next decode)."""
+        """The grammar's mask over the candidates array llama.cpp's sampler chain has just
+        filled from the raw logits in token order (it runs first in the chain: before
+        penalties, top-k/p, min-p, temperature and the draw); the logits themselves are left as
+        the model wrote them, which is where the log probabilities are read. It runs inside a
+        ctypes callback, where an exception would be printed and lost, so a failure is kept on
+        the masker instead."""
         import llama_cpp
         import numpy as np
-        pointer = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        n_vocab = self._n_vocab
+        dtype = np.dtype([("id", np.intc), ("logit", np.single), ("p", np.single)], align=True)
+
+        def apply(candidates: Any) -> None:
+            try:
+                size = candidates.contents.size
+                if size != n_vocab:
+                    raise RuntimeError(f"llama.cpp offered {size} candidates, not {n_vocab}")
+                address = ctypes.addressof(candidates.contents.data.contents)
+                rows = np.recarray(shape=(size,), dtype=dtype,
+                                   buf=(llama_cpp.llama_token_data * size).from_address(address))
+                logits = np.array(rows.logit)
+                masker.apply(logits)
+                rows.logit[:] = logits
+            except Exception as exc:  # noqa: BLE001 - reported through the masker
+                masker.error = masker.error or f"the grammar mask failed: {exc}"
+        return apply
+
+    def _sampler(self, request: spec.GenerateRequest, masker: spec.TokenMasker | None) -> Any:
+        """The request's own sampler chain, as llama-cpp-python builds one: the grammar mask,
+        penalties over the last tokens drawn, then greedy, or top-k, typical, top-p, min-p,
+        temperature and a draw seeded for this request alone."""
+        from llama_cpp import _internals as internals
+        s = request.sampling
+        chain = internals.LlamaSampler()
+        if masker is not None:
+            chain.add_custom(self._mask_processor(masker))
+        chain.add_penalties(n_vocab=self._n_vocab, penalty_last_n=self.llm.last_n_tokens_size,
+                            penalty_repeat=s.repeat_penalty, penalty_freq=s.frequency_penalty,
+                            penalty_present=s.presence_penalty)
+        seed = s.seed if s.seed is not None else random.randrange(2**31)
+        if s.temperature < 0:
+            chain.add_dist(seed)
+        elif s.temperature == 0:
+            chain.add_greedy()
+        else:
+            chain.add_top_k(s.top_k)
+            chain.add_typical(1.0, 1)
+            chain.add_top_p(s.top_p, 1)
+            chain.add_min_p(s.min_p, 1)
+            chain.add_temp(s.temperature)
+            chain.add_dist(seed)
+        return chain
+
+    def _logits_row(self, row: int) -> Any:
+        """A view of the logits the last decode wrote for batch row ``row`` (valid until the
+        next decode)."""
+        import llama_cpp
+        import numpy as np
+        pointer = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, row)
         if not pointer:
-            raise RuntimeError("llama.cpp holds no logits for the last token")
+            raise RuntimeError("llama.cpp holds no logits for that token")
         return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
+
+    # --- the slots -------------------------------------------------------------------
+    def _memory(self) -> Any:
+        import llama_cpp
+        return llama_cpp.llama_get_memory(self.llm._ctx.ctx)
+
+    def _forget(self, slot: int, keep: int = 0) -> None:
+        """Drop slot ``slot``'s cached tokens from position ``keep`` on."""
+        import llama_cpp
+        llama_cpp.llama_memory_seq_rm(self._memory(), slot, keep, -1)
+        del self._slot_tokens[slot][keep:]
+
+    def _new_context(self, per_slot: int) -> Any:
+        """A context of ``per_slot`` tokens for each slot: one KV stream a sequence, so a
+        sequence's numbers never depend on what the other slots hold."""
+        from llama_cpp import _internals as internals
+        params = self.llm.context_params
+        old = (params.n_ctx, params.n_seq_max, params.kv_unified, params.n_batch)
+        params.n_ctx = per_slot * self._slots
+        params.n_seq_max = self._slots
+        params.kv_unified = False
+        params.n_batch = max(params.n_batch, self._slots)
+        try:
+            return internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+        except Exception:
+            params.n_ctx, params.n_seq_max, params.kv_unified, params.n_batch = old
+            raise
+
+    def _slot_window(self) -> int:
+        import llama_cpp
+        ctx = self.llm._ctx.ctx
+        if hasattr(llama_cpp, "llama_n_ctx_seq"):
+            return int(llama_cpp.llama_n_ctx_seq(ctx))
+        return int(llama_cpp.llama_n_ctx(ctx)) // self._slots
 
     # --- the window ------------------------------------------------------------------
     def _window_for(self, request: spec.GenerateRequest) -> int | None:
         """The window to open before ``request`` (None: the one open will do)."""
-        current = self.llm.n_ctx()
+        current = self._n_ctx_slot
         need = min(self._ctx_max, max(request.window or 0, len(request.prompt) + 1))
         if request.num_ctx:
             wanted = min(self._ctx_max, max(request.num_ctx, need, 256))
@@ -312,127 +447,242 @@ class LlamaEngine:
         return min(self._ctx_max, max(steps, 2 * current))
 
     def _resize(self, n_ctx: int) -> None:
-        """Open the context at ``n_ctx`` tokens on the same weights, keeping the cached prompt
-        (its KV cells) where it fits. Runs on the engine's thread, between requests."""
+        """Open every slot's window at ``n_ctx`` tokens on the same weights, keeping each slot's
+        cached prompt (its KV cells) where it fits. Runs on the engine's thread while no
+        sequence decodes."""
         import llama_cpp
-        import numpy as np
-        from llama_cpp import _internals as internals
         llm = self.llm
-        kept = min(llm.n_tokens, n_ctx - 1)
-        saved: Any = None
-        if kept > 0:
-            llm._ctx.kv_cache_seq_rm(-1, kept, -1)
-            size = llama_cpp.llama_state_seq_get_size(llm._ctx.ctx, 0)
-            saved = (ctypes.c_uint8 * size)()
-            if llama_cpp.llama_state_seq_get_data(llm._ctx.ctx, saved, size, 0) != size:
-                saved, kept = None, 0
-        tokens = llm.input_ids[:kept].copy()
-        params = llm.context_params
-        old = params.n_ctx
-        params.n_ctx = n_ctx
-        try:
-            fresh = internals.LlamaContext(model=llm._model, params=params, verbose=False)
-        except Exception:
-            params.n_ctx = old
-            raise
+        saved: dict[int, Any] = {}
+        for slot, tokens in enumerate(self._slot_tokens):
+            kept = min(len(tokens), n_ctx - 1)
+            if kept <= 0:
+                self._forget(slot)
+                continue
+            self._forget(slot, kept)
+            size = llama_cpp.llama_state_seq_get_size(llm._ctx.ctx, slot)
+            buffer = (ctypes.c_uint8 * size)()
+            if llama_cpp.llama_state_seq_get_data(llm._ctx.ctx, buffer, size, slot) == size:
+                saved[slot] = buffer
+        fresh = self._new_context(n_ctx)
         llm._ctx.close()
         llm._ctx = fresh
         llm._n_ctx = fresh.n_ctx()
-        llm.input_ids = np.ndarray((llm._n_ctx,), dtype=np.intc)
-        llm.input_ids[:kept] = tokens
-        llm.n_tokens = 0
-        llm._requires_eval = True
-        if saved is not None and llama_cpp.llama_state_seq_set_data(fresh.ctx, saved, len(saved), 0):
-            llm.n_tokens = kept
-        self.capabilities = attrs.evolve(self.capabilities, context_window=llm._n_ctx)
+        for slot, tokens in enumerate(self._slot_tokens):
+            buffer = saved.get(slot)
+            if buffer is None or not llama_cpp.llama_state_seq_set_data(fresh.ctx, buffer, len(buffer), slot):
+                tokens.clear()
+                llama_cpp.llama_memory_seq_rm(self._memory(), slot, 0, -1)
+        self._n_ctx_slot = self._slot_window()
+        self.capabilities = attrs.evolve(self.capabilities, context_window=self._n_ctx_slot)
 
-    def _decode(self, request: spec.GenerateRequest, cancel: threading.Event, emit: Any) -> None:
-        s = request.sampling
-        llm = self.llm
-        prompt = list(request.prompt)
-        wanted = self._window_for(request)
-        if wanted is not None:
-            try:
-                self._resize(wanted)
-            except Exception as exc:  # noqa: BLE001 - the window it has still serves
-                log.warning("could not open a context of %d tokens: %s", wanted, exc)
-        n_ctx = llm.n_ctx()
-        if len(prompt) >= n_ctx:
-            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
-                               error=f"The prompt is {len(prompt)} tokens; the context window is {n_ctx} tokens"))
+    # --- the decode loop (on the engine's thread) -----------------------------------------
+    def _admit(self, job: spec.Job) -> None:
+        request = job.request
+        if request.interventions or request.reads:
+            self._end(job, "error", "The llama.cpp engine does not accept interventions or activation reads: "
+                                    "load the model with the transformers engine to steer it")
             return
         masker, refused = self._constrainer.start(request)
         if refused is not None:
-            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=refused))
+            self._end(job, "error", refused)
             return
-        k = request.logprobs
-        if request.interventions or request.reads:
-            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
-                               error="The llama.cpp engine does not accept interventions or activation reads: "
-                                     "load the model with the transformers engine to steer it"))
-            return
-        llm.set_seed(s.seed if s.seed is not None else random.randrange(2**31))
-        if not request.cache_prompt:
-            llm.reset()
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        started = time.perf_counter()
-        first = None
-        n = 0
-        reason = "length"
-        try:
-            # no processor at all without a grammar: llama-cpp-python's per-token callback costs time
-            tokens = llm.generate(prompt, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature,
-                                  repeat_penalty=s.repeat_penalty, frequency_penalty=s.frequency_penalty,
-                                  presence_penalty=s.presence_penalty, reset=True,
-                                  logits_processor=[self._mask_processor(masker)] if masker else None)
-            for token in tokens:
-                if first is None:
-                    first = time.perf_counter()
-                if cancel.is_set():
-                    reason = "cancelled"
-                    break
-                if self._is_eog(token):
-                    reason = "stop"
-                    break
-                if masker is not None and not masker.accept(token):
-                    ended = time.perf_counter()
-                    emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=n,
-                                       prompt_seconds=first - started, generate_seconds=ended - first,
-                                       error=f"The output left the grammar: {masker.error}"))
+        job.state = _Sequence(masker)
+        self._waiting.append(job)
+
+    def _take(self) -> None:
+        """Move waiting requests into free slots, in order: each to the free slot whose cache
+        shares the longest prefix with its prompt (the least recently used on a tie)."""
+        while self._waiting:
+            job = self._waiting[0]
+            if job.cancelled.is_set():
+                self._waiting.popleft()
+                self._end(job, "cancelled")
+                continue
+            free = [slot for slot, user in enumerate(self._slot_user) if user is None]
+            if not free:
+                return
+            request = job.request
+            wanted = self._window_for(request)
+            if wanted is not None:
+                if self._running:  # the window changes between batches: after the running ones end
                     return
-                n += 1
-                text = decoder.decode(llm.detokenize([token]))
-                if k is not None:
-                    logprob, top = spec.logprob_entry(self._raw_logits(), token, k)
-                    emit(spec.Token(id=token, text=text, logprob=logprob, top=top))
-                else:
-                    emit(spec.Token(id=token, text=text))
-                if masker is not None and masker.finished:
-                    reason = "stop"
-                    break
-                if (s.max_tokens is not None and n >= s.max_tokens) or len(prompt) + n >= n_ctx:
-                    reason = "length"
-                    break
-        except Exception as exc:  # a native decode failure after the stream opened
-            emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=n,
-                               error=f"llama.cpp: {exc}"))
+                try:
+                    self._resize(wanted)
+                except Exception as exc:  # noqa: BLE001 - the window it has still serves
+                    log.warning("could not open a context of %d tokens a slot: %s", wanted, exc)
+            self._waiting.popleft()
+            prompt = request.prompt
+            if len(prompt) >= self._n_ctx_slot:
+                self._end(job, "error", f"The prompt is {len(prompt)} tokens; the context window is "
+                                        f"{self._n_ctx_slot} tokens")
+                continue
+            slot, shared = free[0], -1
+            for candidate in free:
+                n = _shared_prefix(self._slot_tokens[candidate], prompt) if request.cache_prompt else 0
+                if n > shared or (n == shared and self._slot_used[candidate] < self._slot_used[slot]):
+                    slot, shared = candidate, n
+            shared = min(shared, len(prompt) - 1)  # the last prompt token is decoded again for its logits
+            self._forget(slot, max(shared, 0))
+            seq: _Sequence = job.state
+            seq.slot = slot
+            seq.feed = list(prompt[len(self._slot_tokens[slot]):])
+            seq.started = time.perf_counter()
+            seq.sampler = self._sampler(request, seq.masker)
+            self._slot_user[slot] = job
+            self._running.append(job)
+
+    def _step(self, jobs: list[spec.Job]) -> None:
+        """One batch: every sequence past its prompt feeds its last token, and prompts fill the
+        rest of the batch (``n_batch`` tokens) in arrival order; then each sequence whose
+        prompt is done draws its next token."""
+        import llama_cpp
+        for job in list(self._running):
+            if job.cancelled.is_set():
+                self._end(job, "cancelled")
+        self._take()
+        if not self._running:
             return
+        batch, budget = self._batch, self._n_batch
+        n = 0
+        rows: list[tuple[spec.Job, int]] = []
+        fed: list[tuple[spec.Job, int]] = []
+        for prompting in (False, True):
+            for job in self._running:
+                seq: _Sequence = job.state
+                if seq.prompting != prompting or not seq.feed:
+                    continue
+                room = budget - n
+                if room <= 0:
+                    break
+                take = seq.feed[:room] if prompting else seq.feed[:1]
+                pos = len(self._slot_tokens[seq.slot])
+                for i, token in enumerate(take):
+                    batch.token[n] = token
+                    batch.pos[n] = pos + i
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = seq.slot
+                    batch.logits[n] = False
+                    n += 1
+                fed.append((job, len(take)))
+                if len(take) == len(seq.feed):  # its last token: draw after it
+                    batch.logits[n - 1] = True
+                    rows.append((job, n - 1))
+        batch.n_tokens = n
+        status = llama_cpp.llama_decode(self.llm._ctx.ctx, batch)
+        if status != 0:
+            for job, _ in fed:
+                self._forget(job.state.slot)
+                self._end(job, "error", f"llama.cpp could not decode the batch (status {status})")
+            return
+        for job, count in fed:
+            seq = job.state
+            self._slot_tokens[seq.slot].extend(seq.feed[:count])
+            del seq.feed[:count]
+        for job, row in rows:
+            self._draw(job, row)
+
+    def _draw(self, job: spec.Job, row: int) -> None:
+        """Draw the sequence's next token from its logits at batch row ``row`` and emit it."""
+        seq: _Sequence = job.state
+        request = job.request
+        token = seq.sampler.sample(self.llm._ctx, row)
+        seq.prompting = False
+        if seq.first is None:
+            seq.first = time.perf_counter()
+        if job.cancelled.is_set():
+            self._end(job, "cancelled")
+            return
+        if self._is_eog(token):
+            self._end(job, "stop")
+            return
+        masker = seq.masker
+        if masker is not None and not masker.accept(token):
+            self._end(job, "error", f"The output left the grammar: {masker.error}")
+            return
+        seq.n += 1
+        text = seq.decoder.decode(self.llm.detokenize([token]))
+        if request.logprobs is not None:
+            logprob, top = spec.logprob_entry(self._logits_row(row), token, request.logprobs)
+            job.emit(spec.Token(id=token, text=text, logprob=logprob, top=top))
+        else:
+            job.emit(spec.Token(id=token, text=text))
+        if masker is not None and masker.finished:
+            self._end(job, "stop")
+        elif (request.sampling.max_tokens is not None and seq.n >= request.sampling.max_tokens) \
+                or len(request.prompt) + seq.n >= self._n_ctx_slot:
+            self._end(job, "length")
+        else:
+            seq.feed = [token]
+
+    def _end(self, job: spec.Job, reason: spec.FinishReason, error: str | None = None) -> None:
+        """Free the job's slot (its cache stays for a follow-up), then emit its Finished."""
+        seq: _Sequence | None = job.state
         ended = time.perf_counter()
-        first = first or ended
-        emit(spec.Finished(reason=reason, prompt_tokens=len(prompt), completion_tokens=n,
-                           prompt_seconds=first - started, generate_seconds=ended - first))
+        n, first, started = 0, ended, ended
+        if seq is not None:
+            if seq.slot is not None and self._slot_user[seq.slot] is job:
+                self._slot_user[seq.slot] = None
+                self._slot_used[seq.slot] = time.monotonic()
+            if job in self._running:
+                self._running.remove(job)
+            if seq.sampler is not None:
+                seq.sampler.close()
+                seq.sampler = None
+            n, started = seq.n, seq.started or ended
+            first = seq.first or ended
+        job.emit(spec.Finished(reason=reason, prompt_tokens=len(job.request.prompt), completion_tokens=n,
+                               prompt_seconds=max(0.0, first - started), generate_seconds=ended - first, error=error))
+
+    def _abort(self) -> None:
+        """After a failed step: every slot empty and free, nothing waiting."""
+        import llama_cpp
+        llama_cpp.llama_memory_clear(self._memory(), True)
+        for tokens in self._slot_tokens:
+            tokens.clear()
+        for job in list(self._running) + list(self._waiting):
+            if job.state is not None and job.state.sampler is not None:
+                job.state.sampler.close()
+                job.state.sampler = None
+        self._slot_user = [None] * self._slots
+        self._running.clear()
+        self._waiting.clear()
+
+    def _decode_alone(self, slot: int, ids: list[int]) -> int:
+        """Decode ``ids`` into slot ``slot`` from an empty cache, in batches of n_batch; the
+        batch row of the last token's logits."""
+        import llama_cpp
+        self._forget(slot)
+        batch = self._batch
+        row = -1
+        for start in range(0, len(ids), self._n_batch):
+            chunk = ids[start:start + self._n_batch]
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = slot
+                batch.logits[i] = start + i == len(ids) - 1
+            batch.n_tokens = len(chunk)
+            status = llama_cpp.llama_decode(self.llm._ctx.ctx, batch)
+            if status != 0:
+                self._forget(slot)
+                raise RuntimeError(f"llama.cpp could not decode the prompt (status {status})")
+            self._slot_tokens[slot].extend(chunk)
+            row = len(chunk) - 1
+        return row
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         """Mean-pooled, normalised hidden states, from a second context opened for embeddings."""
         if self.reranker:
             raise sdk.LocalmError(422, "This is a reranker: use /v1/rerank", code="not_an_embedding_model")
-        return await self._serial.call(self._embed, texts)
+        return await self._queue.call(self._embed, texts)
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
+        import llama_cpp
         if self._embedder is None:
-            import llama_cpp
-            self._embedder = llama_cpp.Llama(model_path=self._path, embedding=True, n_ctx=self.llm.n_ctx(),
-                                             n_threads=self._threads, n_batch=self.llm.n_ctx(),
+            window = self._n_ctx_slot
+            self._embedder = llama_cpp.Llama(model_path=self._path, embedding=True, n_ctx=window,
+                                             n_threads=self._threads, n_batch=window,
                                              pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, verbose=False)
         window = self._embedder.n_ctx()
         for text in texts:
@@ -440,7 +690,12 @@ class LlamaEngine:
             if size > window:
                 raise sdk.LocalmError(413, f"An input is {size} tokens; the model embeds at most {window}",
                                       code="context_length_exceeded")
-        return [[float(x) for x in v] for v in self._embedder.embed(texts, normalize=True)]
+        try:
+            return [[float(x) for x in v] for v in self._embedder.embed(texts, normalize=True)]
+        except Exception as exc:  # a failed pass leaves nothing behind: the next opens afresh
+            self._embedder.close()
+            self._embedder = None
+            raise sdk.LocalmError(500, f"llama.cpp could not embed the input: {exc}", code="embedding_failed") from exc
 
     async def next_token_logits(self, prompt: Sequence[int]) -> Any:
         self._refuse_unless_chat()
@@ -450,21 +705,21 @@ class LlamaEngine:
         if len(ids) > self._ctx_max:
             raise sdk.LocalmError(413, f"The prompt is {len(ids)} tokens; the context window is {self._ctx_max}",
                                   code="context_length_exceeded")
-        return await self._serial.call(self._logits_after, ids)
+        return await self._queue.call(self._logits_after, ids)
 
     def _logits_after(self, ids: list[int]) -> Any:
-        """One pass over ``ids`` from an empty cache. The context then holds exactly ``ids``
-        (llama-cpp-python's token record agrees), so the next generation reuses what matches."""
-        if len(ids) > self.llm.n_ctx():
+        """One pass over ``ids`` from an empty cache, in the least recently used slot. Runs alone.
+        The slot is left empty: a generation over a reused cache decodes its last prompt token
+        on its own, which computes slightly other numbers than a fresh pass, and a generation
+        after scoring must compute what a fresh one does."""
+        if len(ids) > self._n_ctx_slot:
             self._resize(self._window_for(spec.GenerateRequest(prompt=tuple(ids))) or len(ids))
-        llm = self.llm
-        llm.reset()
+        slot = min(range(self._slots), key=lambda i: self._slot_used[i])
         try:
-            llm.eval(ids)
-            return self._raw_logits().copy()
-        except Exception:
-            llm.reset()
-            raise
+            row = self._decode_alone(slot, ids)
+            return self._logits_row(row).copy()
+        finally:
+            self._forget(slot)
 
     async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
         import numpy as np
@@ -520,7 +775,7 @@ class LlamaEngine:
                                        f"{window} tokens, which must hold them and at least "
                                        f"{RERANK_MIN_DOCUMENT_TOKENS} tokens of each document",
                                   code="query_too_long")
-        return await self._serial.call(self._rerank, query, list(documents))
+        return await self._queue.call(self._rerank, query, list(documents))
 
     def _rerank(self, query: str, documents: list[str]) -> list[spec.Ranked]:
         window = self._window
@@ -566,7 +821,12 @@ class LlamaEngine:
         return [float(pointer[i]) for i in range(count)]
 
     def close(self) -> None:
-        self._serial.close()
+        import llama_cpp
+        self._queue.close()
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+            self.llm._ctx.close()  # the slots' context (the one llama-cpp-python opened is closed already)
         for llm in (self.llm, self._embedder):
             if llm is not None and hasattr(llm, "close"):
                 llm.close()
