@@ -24,6 +24,14 @@ first each round, and prints single-stream tokens/s and TTFT for both and their 
   content chunks (llama_cpp.server streams one chunk per token; the warm-up checks that
   against its non-streamed ``usage.completion_tokens``).
 
+``--concurrency N`` measures under load instead: localm (the llamacpp plugin's
+``n_parallel`` set to N), ``llama_cpp.server`` (one request at a time) and llama.cpp's
+``llama-server --parallel N`` (built once from the llama.cpp that llama-cpp-python vendors,
+see bench/llama_server.py; N slots of n_ctx tokens each, as localm's engine has them), in
+rounds that rotate the order: one stream alone, then N streams sent together, each with a
+prompt of its own. It prints single-stream tokens/s and TTFT, the N streams' aggregate
+tokens/s and their TTFT p50, and localm's ratios to both peers against the targets.
+
 Modes (``--modes``, default both): ``same`` sends one prompt every round, so both servers
 reuse their KV cache for all of it but the last prompt token (llama-cpp-python's prefix
 match in ``Llama.generate``; localm is sent ``cache_prompt: true``, its default, and
@@ -197,6 +205,8 @@ class Peer:
                     "--n_ctx", str(args.n_ctx), "--n_batch", str(args.n_batch),
                     "--logits_all", "False", "--use_mlock", "False", "--verbose", "False",
                     "--host", HOST, "--port", str(self.port)]
+        if getattr(args, "concurrency", 0):  # it serves one request at a time: the others wait, not cut
+            self.cmd += ["--interrupt_requests", "False"]
         self.log_path = workdir / "llama_cpp.server.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.model: str | None = None  # it serves one model
@@ -539,6 +549,167 @@ def print_table(mode: str, measured: dict[str, Any], peer: Any, localm: Any, arg
              "; both servers streamed identical text every round"))
 
 
+# --- the concurrency mode: localm, llama_cpp.server and llama-server under load -------------------
+
+class LlamaServer:
+    """llama.cpp's own ``llama-server`` (built once from the llama.cpp that llama-cpp-python
+    vendors: bench/llama_server.py) with ``--parallel N`` slots of n_ctx tokens each, as
+    localm's engine has them, continuous batching on (its default)."""
+
+    name = "llama-server"
+
+    def __init__(self, model: Path, args: argparse.Namespace, workdir: Path) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import llama_server
+        self.binary = llama_server.ensure()
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.cmd = [str(self.binary), "--model", str(model), "--threads", str(args.threads),
+                    "--threads-batch", str(args.threads), "--ctx-size", str(args.n_ctx * args.concurrency),
+                    "--parallel", str(args.concurrency), "--batch-size", str(args.n_batch), "--no-webui",
+                    "--host", HOST, "--port", str(self.port)]
+        self.log_path = workdir / "llama-server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.model: str | None = None
+
+    pid = Peer.pid
+    log = Peer.log
+    client = Peer.client
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (open while the server runs)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"llama-server did not answer in {START_TIMEOUT:.0f}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        Peer.stop(self)  # type: ignore[arg-type]
+
+
+def load_round(server: Any, client_for: Any, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """``len(prompts)`` streams at once: each on its own connection, all sent together."""
+    import threading
+    results: list[dict[str, Any] | BaseException] = [{} for _ in prompts]
+    go = threading.Barrier(len(prompts) + 1)
+
+    def one(i: int) -> None:
+        with client_for() as c:
+            try:
+                go.wait()
+                sent = time.perf_counter()
+                out = stream_chat(c, prompts[i], args.max_tokens, server.model)
+                out["sent"], out["ended"] = sent, sent + out["total_s"]
+                results[i] = out
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    go.wait()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT * 2)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    rows = [r for r in results if isinstance(r, dict)]
+    span = max(r["ended"] for r in rows) - min(r["sent"] for r in rows)
+    return {"aggregate": sum(r["tokens"] for r in rows) / span, "ttft": [r["ttft_ms"] for r in rows],
+            "per_stream": statistics.median(r["tok_s"] for r in rows), "tokens": sum(r["tokens"] for r in rows)}
+
+
+def run_load(args: argparse.Namespace, model: Path) -> None:
+    """Single-stream and N-concurrent-stream figures for localm (n_parallel N), llama_cpp.server
+    (one request at a time) and llama-server (--parallel N), rounds rotating the order."""
+    t0 = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="localm-bench-load-"))
+    localm = Localm(args, workdir)
+    localm.settings["n_parallel"] = args.concurrency
+    servers = [localm, Peer(model, args, workdir), LlamaServer(model, args, workdir)]
+    meter = CpuMeter()
+    figures: dict[str, dict[str, list[float]]] = {s.name: {"single": [], "ttft1": [], "aggregate": [], "ttft": [],
+                                                          "per_stream": []} for s in servers}
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+        print(f"python {platform.python_version()}, llama-cpp-python {version}, {os.cpu_count()} CPUs, "
+              f"load average {os.getloadavg()[0]:.2f}", flush=True)
+        for server in servers:
+            server.start()
+            with server.client() as c:
+                stream_chat(c, WARMUP_PROMPT, 16, server.model)
+        print(f"model: {model.name}, n_threads {args.threads}, n_batch {args.n_batch}, n_ctx {args.n_ctx} a slot, "
+              f"max_tokens {args.max_tokens}, {args.concurrency} concurrent streams, {args.rounds} rounds, "
+              "temperature 0, a new prompt for every stream", flush=True)
+        n = 0
+        for r in range(args.rounds):
+            if time.monotonic() - t0 > args.time_limit:
+                print(f"time limit reached after {r} rounds")
+                break
+            order = servers[r % 3:] + servers[:r % 3]
+            for server in order:
+                wait_quiet(meter, args.max_other_load, args.wait_quiet)
+                with server.client() as c:
+                    single = stream_chat(c, new_prompt(n), args.max_tokens, server.model)
+                n += 1
+                figures[server.name]["single"].append(single["tok_s"])
+                figures[server.name]["ttft1"].append(single["ttft_ms"])
+            for server in order:
+                wait_quiet(meter, args.max_other_load, args.wait_quiet)
+                prompts = [new_prompt(n + i) for i in range(args.concurrency)]
+                n += args.concurrency
+                load = load_round(server, server.client, prompts, args)
+                figures[server.name]["aggregate"].append(load["aggregate"])
+                figures[server.name]["ttft"].extend(load["ttft"])
+                figures[server.name]["per_stream"].append(load["per_stream"])
+            if args.verbose:
+                print(f"  round {r + 1}: " + ", ".join(
+                    f"{s.name} {figures[s.name]['single'][-1]:.1f} / {figures[s.name]['aggregate'][-1]:.1f} tok/s"
+                    for s in servers), flush=True)
+        med = {name: {k: statistics.median(v) if v else float("nan") for k, v in f.items()}
+               for name, f in figures.items()}
+        print(f"\n{'':<18}{'single tok/s':>13}{'single TTFT ms':>16}{f'{args.concurrency}x aggregate tok/s':>22}"
+              f"{'per stream':>12}{'TTFT p50 ms':>13}")
+        for server in servers:
+            m = med[server.name]
+            print(f"{server.name:<18}{m['single']:>13.1f}{m['ttft1']:>16.1f}{m['aggregate']:>22.1f}"
+                  f"{m['per_stream']:>12.1f}{m['ttft']:>13.1f}")
+        lm, peer, ls = med[localm.name], med["llama_cpp.server"], med["llama-server"]
+        checks = [
+            ("single stream vs llama_cpp.server", lm["single"] / peer["single"], ">=", 1.0),
+            ("single stream vs llama-server", lm["single"] / ls["single"], ">=", 0.9),
+            (f"{args.concurrency}x aggregate vs llama-server --parallel {args.concurrency}",
+             lm["aggregate"] / ls["aggregate"], ">=", 0.9),
+            ("TTFT p50 under load vs llama-server", lm["ttft"] / ls["ttft"], "<=", 1.2),
+            (f"{args.concurrency}x aggregate vs llama_cpp.server", lm["aggregate"] / peer["aggregate"], "", 0),
+        ]
+        print()
+        for label, ratio, op, target in checks:
+            verdict = "" if not op else ("  met" if (ratio >= target if op == ">=" else ratio <= target) else
+                                         "  NOT MET") + f" (target {op} {target})"
+            print(f"{label:<48} {ratio:6.2f}x{verdict}")
+        print(f"\n(tok/s and TTFT: medians over {args.rounds} rounds; aggregate: all streams' tokens over the time "
+              f"from the first request sent to the last token; bench took {time.monotonic() - t0:.0f} s, "
+              f"load average now {os.getloadavg()[0]:.2f})")
+    except Exception:
+        for server in servers:
+            print(f"--- {server.name} log (tail) ---\n{server.log()}", file=sys.stderr)
+        raise
+    finally:
+        for server in servers:
+            server.stop()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -562,6 +733,9 @@ def main() -> None:
                              "localm without (instead of against llama_cpp.server)")
     parser.add_argument("--target-ratio", type=float, default=0.97,
                         help="the tok/s ratio (2nd/1st) the verdict asks for (default 0.97)")
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="the concurrency mode: single-stream and this many concurrent streams on localm "
+                             "(n_parallel N), llama_cpp.server and llama-server --parallel N")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every round")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (server logs)")
     args = parser.parse_args()
@@ -575,6 +749,10 @@ def main() -> None:
     model = args.model or default_model()
     if not model.is_file():
         sys.exit(f"no such model file: {model}")
+    if args.concurrency:
+        args.concurrency = min(max(args.concurrency, 1), 16)
+        run_load(args, model)
+        return
 
     t0 = time.monotonic()
     deadline = t0 + args.time_limit
