@@ -13,6 +13,7 @@ a file lock lets several processes ask at once and build it once.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -22,12 +23,13 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-#: The README's portable build, plus what llama-server needs and nothing it does not.
+#: The README's portable build (threads through OpenMP, as llama-cpp-python's build has them),
+#: plus what llama-server needs and nothing it does not.
 CMAKE_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
                "-DGGML_AMX_BF16=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
                "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_OPENMP=OFF"]
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
 
 
 def cache_dir() -> Path:
@@ -39,8 +41,10 @@ def version() -> str:
 
 
 def path() -> Path:
-    """Where the binary for the installed llama-cpp-python lives (it may not exist yet)."""
-    return cache_dir() / version() / "llama-server"
+    """Where the binary for the installed llama-cpp-python and these flags lives (it may not
+    exist yet)."""
+    flags = hashlib.sha256(" ".join(CMAKE_FLAGS).encode()).hexdigest()[:8]
+    return cache_dir() / f"{version()}-{flags}" / "llama-server"
 
 
 def ensure(log=sys.stderr) -> Path:

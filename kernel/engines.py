@@ -474,17 +474,26 @@ class Serial:
         self._executor.shutdown(wait=True)
 
 
+def _deliver_all(items: list[tuple[Callable[[Event], None], Event]]) -> None:
+    for deliver, event in items:
+        deliver(event)
+
+
 class Job:
     """A request handed to a :class:`Batched` engine's stepping thread: the request, the flag
     its consumer sets when it leaves, and ``emit`` for its events (Token, Status, and one
-    Finished, which ends the job)."""
+    Finished, which ends the job), called on the engine's thread; the events of one step
+    reach the consumer together when the step ends."""
 
-    __slots__ = ("request", "cancelled", "emit", "finished", "state")
+    __slots__ = ("request", "cancelled", "emit", "loop", "finished", "state")
 
-    def __init__(self, request: GenerateRequest, cancelled: threading.Event, emit: Callable[[Event], None]) -> None:
+    def __init__(self, request: GenerateRequest, cancelled: threading.Event, emit: Callable[[Event], None],
+                 loop: Any = None) -> None:
         self.request = request
         self.cancelled = cancelled
         self.emit = emit
+        #: The event loop the request's consumer runs on.
+        self.loop = loop
         self.finished = False
         #: The engine's own record of the job (its slot, sampler, position ...).
         self.state: Any = None
@@ -522,6 +531,9 @@ class Batched:
         self._live: list[Job] = []
         self._lock = threading.Lock()
         self._stepping = False
+        #: Events emitted in this step, delivered to their event loops together when it ends (one
+        #: wake-up of the loop a step, not one a token).
+        self._outbox: list[tuple[Any, Callable[[Event], None], Event]] = []
         self.busy = 0
 
     @property
@@ -546,16 +558,12 @@ class Batched:
                 cancelled = threading.Event()
                 ended = loop.create_future()
 
-                def done() -> None:
-                    if not ended.done():
+                def deliver(event: Event) -> None:  # on the event loop
+                    events.put_nowait(event)
+                    if isinstance(event, Finished) and not ended.done():
                         ended.set_result(None)
 
-                def emit(event: Event) -> None:
-                    loop.call_soon_threadsafe(events.put_nowait, event)
-                    if isinstance(event, Finished):
-                        loop.call_soon_threadsafe(done)
-
-                self._submit(Job(request, cancelled, emit))
+                self._submit(Job(request, cancelled, deliver, loop))
                 try:
                     while True:
                         event = await events.get()
@@ -589,7 +597,7 @@ class Batched:
                     self._stepping = False
                     return
             for job in arrived:
-                self._track(job)
+                self._track(job, job.loop)
                 self._live.append(job)
                 try:
                     self._admit(job)
@@ -597,31 +605,45 @@ class Batched:
                     self._end(job, Finished(reason="error", prompt_tokens=len(job.request.prompt),
                                             completion_tokens=0, error=f"{type(exc).__name__}: {exc}"))
             live = [job for job in self._live if not job.finished]
-            if not live:
-                continue
-            try:
-                self._step(live)
-            except Exception as exc:  # noqa: BLE001 - every unfinished job ends with the error
-                for job in live:
-                    self._end(job, Finished(reason="error", prompt_tokens=len(job.request.prompt),
-                                            completion_tokens=0, error=f"{type(exc).__name__}: {exc}"))
-                if self._abort is not None:
-                    try:
-                        self._abort()
-                    except Exception:  # noqa: BLE001
-                        pass
+            if live:
+                try:
+                    self._step(live)
+                except Exception as exc:  # noqa: BLE001 - every unfinished job ends with the error
+                    for job in live:
+                        self._end(job, Finished(reason="error", prompt_tokens=len(job.request.prompt),
+                                                completion_tokens=0, error=f"{type(exc).__name__}: {exc}"))
+                    if self._abort is not None:
+                        try:
+                            self._abort()
+                        except Exception:  # noqa: BLE001
+                            pass
+            self._flush()
 
-    @staticmethod
-    def _track(job: Job) -> None:
-        """Mark the job finished when its Finished passes, whoever emits it."""
-        emit = job.emit
+    def _flush(self) -> None:
+        """Hand this step's events to their event loops, one call a loop."""
+        if not self._outbox:
+            return
+        by_loop: dict[Any, list[tuple[Callable[[Event], None], Event]]] = {}
+        for loop, deliver, event in self._outbox:
+            by_loop.setdefault(loop, []).append((deliver, event))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:  # the loop closed: nobody reads these events
+                pass
+
+    def _track(self, job: Job, loop: Any) -> None:
+        """Queue the job's events for the end of the step, and mark the job finished when its
+        Finished passes, whoever emits it."""
+        deliver = job.emit
 
         def tracked(event: Event) -> None:
             if isinstance(event, Finished):
                 if job.finished:
                     return
                 job.finished = True
-            emit(event)
+            self._outbox.append((loop, deliver, event))
         job.emit = tracked
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
