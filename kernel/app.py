@@ -27,6 +27,7 @@ from . import __version__
 from .auth import ANONYMOUS, OPEN, Principal
 from .errors import LocalmError
 from .limits import LimitedRequest, too_large
+from .openapi import DescribedJson
 from .sessions import COOKIE
 
 if TYPE_CHECKING:
@@ -284,7 +285,7 @@ def build_litestar(kernel: "Kernel", kernel_routes: list[Any], plugin_routers: l
         request_class=LimitedRequest,
         request_max_body_size=int(kernel.config.get("max_body_bytes")),
         openapi_config=OpenAPIConfig(title="localm", version=__version__, path="/openapi",
-                                     render_plugins=[ScalarRenderPlugin()]),
+                                     render_plugins=[ScalarRenderPlugin(), DescribedJson()]),
         logging_config=None,
         debug=False,
     )

@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+import attrs
 from litestar import Request
+from msgspec import Meta
 
 from .. import limits
 from ..errors import LocalmError
 from ..routing import get, post
 from .common import json_body, kernel_of
+
+
+ModelName = Annotated[str, Meta(max_length=limits.MODEL_NAME_CHARS, description="A registered model's name")]
+
+
+@attrs.define
+class ModelChoice:
+    """The model, in the body instead of ?model= (both: they must agree)."""
+
+    model: ModelName | None = None
+
+
+@attrs.define
+class Rename:
+    """The model and its new name, in the body instead of the query string (both: they must agree)."""
+
+    model: ModelName | None = None
+    new_name: ModelName | None = None
+
+
+_PARAMS = {400: "A body that is not an object, an unknown field, a field that is not a string, a value "
+                "that differs from the query string's, or a name over its limit (code limit_exceeded)"}
 
 
 async def _params(request: Request, **query: str | None) -> dict[str, str | None]:
@@ -80,7 +104,9 @@ async def read_model(request: Request, model_id: str) -> dict[str, Any]:
     return out
 
 
-@post("/v1/models/load", scope="models:write", summary="Load a model (the active or default one without ?model=)")
+@post("/v1/models/load", scope="models:write", summary="Load a model (the active or default one without ?model=)",
+      body=ModelChoice, body_required=False,
+      errors={**_PARAMS, 404: "An unregistered model", 503: "No model named and none active, loaded or configured"})
 async def load_model(request: Request, model: str | None = None) -> dict[str, Any]:
     k = kernel_of(request)
     model = (await _params(request, model=model))["model"]
@@ -88,7 +114,8 @@ async def load_model(request: Request, model: str | None = None) -> dict[str, An
     return {"status": "loaded" if fresh else "already_loaded", "model": resident.entry.id}
 
 
-@post("/v1/models/unload", scope="models:write", summary="Unload a model, or every loaded model")
+@post("/v1/models/unload", scope="models:write", summary="Unload a model, or every loaded model",
+      body=ModelChoice, body_required=False, errors={**_PARAMS, 404: "An unregistered model"})
 async def unload_model(request: Request, model: str | None = None) -> dict[str, Any]:
     k = kernel_of(request)
     model = (await _params(request, model=model))["model"]
@@ -97,7 +124,10 @@ async def unload_model(request: Request, model: str | None = None) -> dict[str, 
     return await k.models.unload_all()
 
 
-@post("/v1/models/rename", scope="models:write", summary="Rename a registered model in place")
+@post("/v1/models/rename", scope="models:write", summary="Rename a registered model in place",
+      body=Rename, body_required=False,
+      errors={**_PARAMS, 404: "An unregistered model", 409: "The new name is taken",
+              422: "model or new_name missing"})
 async def rename_model(request: Request, model: str | None = None, new_name: str | None = None) -> dict[str, Any]:
     given = await _params(request, model=model, new_name=new_name)
     model, new_name = given["model"], given["new_name"]

@@ -6,6 +6,7 @@ import importlib
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import attrs
 from litestar import Request
 
 from .. import deps
@@ -68,8 +69,21 @@ async def refresh_one(request: Request, name: str) -> dict[str, Any]:
     return await kernel_of(request).plugins.refresh(_name(name))
 
 
+@attrs.define
+class ExternalPlugin:
+    """A plugin folder, an Open WebUI Function file (.py) or export (.json) as source; or a Function's
+    source (or an export's JSON, without id) as content. Exactly one of source and content."""
+
+    source: str | None = None
+    content: str | None = None
+    id: str | None = None
+    force: bool = False
+
+
 @post("/api/plugins/install-external", scope="plugins:admin",
-      summary="Install a third-party plugin from a local folder, or Open WebUI Functions")
+      summary="Install a third-party plugin from a local folder, or Open WebUI Functions", body=ExternalPlugin,
+      errors={400: "An unknown field, a field of the wrong type, both or neither of source and content, or a "
+                   "source that is not a plugin", 409: "Already installed (force replaces it)"})
 async def install_external(request: Request) -> dict[str, Any]:
     """``{"source": PATH}``: a plugin folder, an Open WebUI Function file (``.py``) or an Open
     WebUI export (``.json``); or ``{"content": SOURCE, "id": ID}``: a Function's source (or an
