@@ -2,8 +2,9 @@
 
 Routes read their JSON bodies themselves, so that every refusal keeps its own status and
 message. A route declares its body's model with ``body=`` (an attrs class, a dataclass or
-a msgspec Struct; ``Annotated[..., msgspec.Meta(...)]`` documents bounds; or a JSON schema
-as a dict, for a body assembled at run time) and its refusals
+a msgspec Struct; ``Annotated[..., msgspec.Meta(...)]`` documents bounds, and a class
+attribute ``closed = True`` says that a field the route does not read is refused; or a JSON
+schema as a dict, for a body assembled at run time) and its refusals
 with ``errors={status: "when"}``; this module writes both into /openapi/openapi.json the
 first time it is served, so the document is a truthful contract for client generators
 and schema-driven fuzzers.
@@ -81,9 +82,12 @@ def describe(app: "Litestar", schema: dict[str, Any]) -> None:
                     responses.setdefault(str(status), _error(why))
     unique = list(dict.fromkeys(models))
     refs, defined = msgspec.json.schema_components(unique, ref_template=REF) if unique else ((), {})
+    by_model = dict(zip(unique, refs))
+    for model, ref in by_model.items():
+        if getattr(model, "closed", False):  # the route refuses a field it does not read
+            defined[ref["$ref"].rsplit("/", 1)[1]]["additionalProperties"] = False
     for name, definition in defined.items():
         components.setdefault(name, definition)
-    by_model = dict(zip(unique, refs))
     for operation, opt, _ in found:
         body = opt["body"]
         operation["requestBody"] = {"required": bool(opt.get("body_required", True)), "content": {

@@ -21,12 +21,16 @@ ModelName = Annotated[str, Meta(max_length=limits.MODEL_NAME_CHARS, description=
 class ModelChoice:
     """The model, in the body instead of ?model= (both: they must agree)."""
 
+    closed = True
+
     model: ModelName | None = None
 
 
 @attrs.define
 class Rename:
     """The model and its new name, in the body instead of the query string (both: they must agree)."""
+
+    closed = True
 
     model: ModelName | None = None
     new_name: ModelName | None = None
