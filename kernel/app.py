@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from litestar import Litestar, Request, Response, Router
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import ScalarRenderPlugin
@@ -25,6 +26,8 @@ from litestar.routes import HTTPRoute
 from . import __version__
 from .auth import ANONYMOUS, OPEN, Principal
 from .errors import LocalmError
+from .limits import LimitedRequest, too_large
+from .openapi import DescribedJson
 from .sessions import COOKIE
 
 if TYPE_CHECKING:
@@ -222,6 +225,8 @@ def make_exception_handler(kernel: "Kernel") -> Callable[[Request, Exception], R
         headers: dict[str, str] = {}
         extra: dict[str, Any] = {}
         code = None
+        if isinstance(exc, RequestEntityTooLarge):
+            exc = too_large(_body_limit(request))
         if isinstance(exc, LocalmError):
             status, detail, code, headers, extra = exc.status, exc.detail, exc.code, exc.headers, exc.extra
         elif isinstance(exc, ValidationException):
@@ -252,6 +257,13 @@ def make_exception_handler(kernel: "Kernel") -> Callable[[Request, Exception], R
     return handle
 
 
+def _body_limit(request: Request) -> int | None:
+    try:
+        return request.route_handler.resolve_request_max_body_size()
+    except Exception:
+        return None
+
+
 # --- building ----------------------------------------------------------------------
 
 def route_pairs(value: Any) -> list[tuple[str, str]]:
@@ -270,8 +282,10 @@ def build_litestar(kernel: "Kernel", kernel_routes: list[Any], plugin_routers: l
         route_handlers=[Router("/", route_handlers=kernel_routes), *plugin_routers],
         middleware=[Guard(kernel, policy)],
         exception_handlers={Exception: make_exception_handler(kernel)},
+        request_class=LimitedRequest,
+        request_max_body_size=int(kernel.config.get("max_body_bytes")),
         openapi_config=OpenAPIConfig(title="localm", version=__version__, path="/openapi",
-                                     render_plugins=[ScalarRenderPlugin()]),
+                                     render_plugins=[ScalarRenderPlugin(), DescribedJson()]),
         logging_config=None,
         debug=False,
     )

@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from . import limits
 from .errors import LocalmError
 from .manifest import legal_id
 from .storage import JsonFile
@@ -310,6 +311,13 @@ def parse_mint_request(body: dict[str, Any], caller: Principal, known_scopes: se
         raise LocalmError(400, "fs_access must be none or host")
     if not isinstance(rag_roots, list) or not all(isinstance(r, str) for r in rag_roots):
         raise LocalmError(400, "rag_roots must be a list of folder paths")
+    limits.check_length("name", name, limits.KEY_NAME_CHARS)
+    limits.check_count("scopes", scopes, limits.KEY_SCOPES)
+    for s in scopes:
+        limits.check_length("scopes[]", s, limits.SCOPE_CHARS)
+    limits.check_count("rag_roots", rag_roots, limits.KEY_RAG_ROOTS)
+    for r in rag_roots:
+        limits.check_length("rag_roots[]", r, limits.PATH_CHARS)
     for s in scopes:
         if not valid_scope_name(s, known_scopes):
             raise LocalmError(400, f"Unknown scope: {s} (a shipped scope, a plugin's scope or a plugin name)")

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
+from . import limits
 from .auth import Principal
 from .errors import LocalmError
 from .settings import FieldSpec, fields_of, setting
@@ -42,6 +43,12 @@ class KernelSettings:
     suggest_plugins: bool = setting(True, description="Let clients suggest plugins that would help")
     log_level: str = setting("info", choices=("debug", "info", "warning", "error"),
                              description="Server log level (applies at the next start)")
+    max_body_bytes: int = setting(limits.MAX_BODY_BYTES, min=1024, owner_only=True,
+                                  description="The largest request body a route accepts unless it sets its own "
+                                              "limit (a 413 past it; applies at the next start)")
+    max_json_depth: int = setting(limits.MAX_JSON_DEPTH, min=2, max=10000, owner_only=True,
+                                  description="How deeply a JSON request body may nest arrays and objects "
+                                              "(a 400 past it)")
 
 
 KERNEL_FIELDS: dict[str, FieldSpec] = {f.key: f for f in fields_of(KernelSettings)}

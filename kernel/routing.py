@@ -11,6 +11,10 @@ Every route says who may call it, in its ``opt``:
   (public once keys exist; in open mode only its GET is exempt from the attach token).
 - ``gate``: True makes open mode demand the attach token even for a GET outside /api and /v1.
 - ``error_family``: which renderer shapes its errors (``"openai"``, ``"ollama"``, ...).
+
+And what the OpenAPI document says of it (kernel/openapi.py): ``body`` (the model of the
+JSON body the route reads itself; ``body_required=False`` when it may be left out) and
+``errors`` (``{status: "when it is answered"}``).
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ ACCESS = ("managed", "public", "inference", "open_read", "session")
 _UNSET: Any = object()
 
 
-def _opt(scope: Any, access: str, error_family: str | None, opt: dict[str, Any] | None) -> dict[str, Any]:
+def _opt(scope: Any, access: str, error_family: str | None, opt: dict[str, Any] | None,
+         kwargs: dict[str, Any]) -> dict[str, Any]:
     if access not in ACCESS:
         raise ValueError(f"access must be one of {ACCESS}")
     out = dict(opt or {})
+    for key in ("body", "body_required", "errors"):
+        if key in kwargs:
+            out[key] = kwargs.pop(key)
     if scope is not _UNSET:
         out["scope"] = scope
     out["access"] = access
@@ -49,7 +57,7 @@ def _make(decorator: Callable[..., Any]) -> Callable[..., Any]:
               error_family: str | None = None, opt: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         if decorator in (litestar.post, litestar.put, litestar.delete):
             kwargs.setdefault("status_code", 200)  # the spec answers 200 unless a route says otherwise
-        return _decorate(decorator, path, _opt(scope, access, error_family, opt), kwargs)
+        return _decorate(decorator, path, _opt(scope, access, error_family, opt, kwargs), kwargs)
     route.__name__ = decorator.__name__
     route.__doc__ = (f"``@{decorator.__name__}(path, scope=..., access=...)``: a Litestar "
                      f"{decorator.__name__.upper()} route with localm's access rules.")
@@ -68,4 +76,4 @@ def route(path: str | list[str], *, http_method: Any, scope: str | None = _UNSET
           error_family: str | None = None, opt: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """A route answering several methods (``http_method=["GET", "HEAD"]``)."""
     kwargs["http_method"] = http_method
-    return _decorate(litestar.route, path, _opt(scope, access, error_family, opt), kwargs)
+    return _decorate(litestar.route, path, _opt(scope, access, error_family, opt, kwargs), kwargs)

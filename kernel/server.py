@@ -7,6 +7,7 @@ import errno
 import importlib.util
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -67,6 +68,10 @@ def bind_socket(host: str, port: int, *, bump: bool, wait: float = 0.0) -> socke
             raise
 
 
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model: str | None,
           log_level: str = "info", loop: str = "auto", http: str = "auto") -> None:
     loop, http = pick("loop", loop), pick("http", http)
@@ -99,6 +104,9 @@ def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model
               file=sys.stderr, flush=True)
 
     kernel.on_ready = announce
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again: end with status 0
+    # then, since a stop asked for (a service manager's, a test's) is no failure
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         server.run(sockets=[sock])
     finally:

@@ -4,14 +4,40 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from litestar import Request
 
 from ..auth import Principal
-from ..config import KERNEL_FIELDS
+from ..config import KERNEL_FIELDS, READ_ONLY_EXTRAS, STATE_KEYS
 from ..errors import LocalmError
 from ..manifest import legal_id
 from ..routing import get, patch, post
 from .common import json_object, kernel_of, principal_of
+
+
+def _patch_schema() -> dict[str, Any]:
+    """PATCH /v1/config's body: any of the kernel's settings (null resets one), plugin state
+    (owner only), and the read-only values GET adds, which are ignored."""
+    properties: dict[str, Any] = {}
+    for key, spec in KERNEL_FIELDS.items():
+        value = msgspec.json.schema(spec.type)
+        value.update({"description": spec.description + (" (owner only)" if spec.owner_only else "")})
+        if spec.choices is not None:
+            value["enum"] = list(spec.choices)
+        if spec.min is not None:
+            value["minimum"] = spec.min
+        if spec.max is not None:
+            value["maximum"] = spec.max
+        properties[key] = {"anyOf": [value, {"type": "null"}]}
+    properties["plugins_enabled"] = {
+        "type": "object", "additionalProperties": {"type": ["boolean", "null"]},
+        "description": f"Owner only: plugin name to enabled (null: the manifest's default); {STATE_KEYS['plugins_enabled']}"}
+    properties["plugins"] = {
+        "type": "object", "additionalProperties": {"type": ["object", "null"]},
+        "description": f"Owner only: plugin name to its settings; {STATE_KEYS['plugins']}"}
+    for key in READ_ONLY_EXTRAS:
+        properties[key] = {"description": "Read-only (GET adds it): ignored"}
+    return {"type": "object", "title": "ConfigPatch", "properties": properties, "additionalProperties": False}
 
 
 @get("/v1/config", scope="config:read", summary="The whole config, with read-only extras")
@@ -30,7 +56,11 @@ def _context_extras(k: Any) -> dict[str, Any]:
     return {"effective_ctx_max": resident.engine.capabilities.context_limit, "effective_ctx_model": resident.entry.id}
 
 
-@patch("/v1/config", scope="config:write", summary="Change config keys; returns the merged config")
+@patch("/v1/config", scope="config:write", summary="Change config keys; returns the merged config",
+       body=_patch_schema(),
+       errors={400: "An unknown key, a value of the wrong type or out of range, or require_auth with no key",
+               403: "An owner-only key or plugin state changed by a caller who is not the owner",
+               409: "config.json exists but cannot be read"})
 async def patch_config(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
     caller = principal_of(request)
@@ -78,7 +108,11 @@ async def plugin_settings(request: Request) -> dict[str, Any]:
 
 
 @post("/v1/plugins/{name:str}/settings", scope="config:write",
-      summary="Merge one plugin's settings; a blank value clears an override")
+      summary="Merge one plugin's settings; a blank value clears an override",
+      body={"type": "object", "title": "PluginSettings", "description": "Setting name to value (null or blank: "
+            "back to the default); GET /v1/plugins/settings lists each plugin's fields"},
+      errors={400: "An unknown setting or a value of the wrong type", 403: "An owner-only setting",
+              404: "No active plugin of this name has settings"})
 async def set_plugin_settings(request: Request, name: str) -> dict[str, Any]:
     k = kernel_of(request)
     caller = principal_of(request)

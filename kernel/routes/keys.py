@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import attrs
 from litestar import Request
+from msgspec import Meta
 
+from .. import limits
 from ..auth import KERNEL_SCOPES, PRIVILEGED_SCOPES, new_key, parse_mint_request
 from ..errors import LocalmError
 from ..routing import delete, get, post
 from .common import json_body, json_object, kernel_of, principal_of
+
+
+@attrs.define
+class KeyMint:
+    """A scoped key to mint. Only the owner may grant a privileged scope, fs_access host or rag_roots (403)."""
+
+    name: Annotated[str, Meta(max_length=limits.KEY_NAME_CHARS, description="A label for the key")] = ""
+    scopes: Annotated[list[Annotated[str, Meta(max_length=limits.SCOPE_CHARS)]],
+                      Meta(max_length=limits.KEY_SCOPES,
+                           description="Shipped scopes, plugin scopes or plugin names")] = attrs.Factory(list)
+    fs_access: Literal["none", "host"] = "none"
+    rag_roots: Annotated[list[Annotated[str, Meta(max_length=limits.PATH_CHARS)]],
+                         Meta(max_length=limits.KEY_RAG_ROOTS,
+                              description="Folders RAG indexing is confined to")] = attrs.Factory(list)
+    expires_in: Annotated[float, Meta(gt=0, description="Seconds from now")] | None = None
+    expires: Annotated[float, Meta(description="Epoch seconds (when expires_in is not given)")] | None = None
+
+
+@attrs.define
+class OwnerKey:
+    """The owner key to set; left out, empty or blank: a fresh random key."""
+
+    key: Annotated[str, Meta(description="At least 16 characters an Authorization header can carry")] | None = None
 
 
 def _key_file_label(k: Any, owner: bool) -> str:
@@ -30,7 +56,10 @@ async def list_keys(request: Request) -> dict[str, Any]:
             "owner_key_warning": warning}
 
 
-@post("/v1/keys", scope="keys:admin", summary="Mint a scoped key; the plaintext is shown once")
+@post("/v1/keys", scope="keys:admin", summary="Mint a scoped key; the plaintext is shown once", body=KeyMint,
+      errors={400: "A field of the wrong type, an unknown scope, or a name or list over its limit "
+                   "(code limit_exceeded)", 403: "A privileged grant by a caller who is not the owner",
+              409: "The key store exists but cannot be read"})
 async def create_key(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
     caller = principal_of(request)
@@ -57,13 +86,17 @@ async def create_key(request: Request) -> dict[str, Any]:
     return out
 
 
-@delete("/v1/keys/{key_id:str}", scope="keys:admin", summary="Revoke a scoped key")
+@delete("/v1/keys/{key_id:str}", scope="keys:admin", summary="Revoke a scoped key",
+        errors={404: "No key has this id"})
 async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
     kernel_of(request).keys.revoke(key_id)
     return {"status": "revoked", "id": key_id}
 
 
-@post("/api/auth/key/rotate", scope="admin", summary="Roll the owner key, or set it to a chosen value")
+@post("/api/auth/key/rotate", scope="admin", summary="Roll the owner key, or set it to a chosen value",
+      body=OwnerKey, body_required=False,
+      errors={400: "A body that is not an object, or a key the store refuses (too short, or characters an "
+                   "Authorization header cannot carry)"})
 async def rotate_owner_key(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
     body = await json_body(request, required=False)

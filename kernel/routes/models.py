@@ -2,13 +2,68 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+import attrs
 from litestar import Request
+from msgspec import Meta
 
+from .. import limits
 from ..errors import LocalmError
 from ..routing import get, post
-from .common import kernel_of
+from .common import json_body, kernel_of
+
+
+ModelName = Annotated[str, Meta(max_length=limits.MODEL_NAME_CHARS, description="A registered model's name")]
+
+
+@attrs.define
+class ModelChoice:
+    """The model, in the body instead of ?model= (both: they must agree)."""
+
+    closed = True
+
+    model: ModelName | None = None
+
+
+@attrs.define
+class Rename:
+    """The model and its new name, in the body instead of the query string (both: they must agree)."""
+
+    closed = True
+
+    model: ModelName | None = None
+    new_name: ModelName | None = None
+
+
+_PARAMS = {400: "A body that is not an object, an unknown field, a field that is not a string, a value "
+                "that differs from the query string's, or a name over its limit (code limit_exceeded)"}
+
+
+async def _params(request: Request, **query: str | None) -> dict[str, str | None]:
+    """The route's parameters, from the query string or a JSON object body holding the same
+    fields (both: they must agree). A body field the route does not read is a 400, never ignored."""
+    body = await json_body(request, required=False)
+    out = dict(query)
+    if body is not None:
+        if not isinstance(body, dict):
+            raise LocalmError(400, "The body must be a JSON object")
+        unknown = sorted(set(body) - set(query))
+        if unknown:
+            raise LocalmError(400, f"Unknown field {unknown[0]!r}: this route reads {', '.join(query)} "
+                                   "(in the query string or the body)", code="unknown_field", field=unknown[0])
+        for name, value in body.items():
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise LocalmError(400, f"{name} must be a string", field=name)
+            if query[name] is not None and query[name] != value:
+                raise LocalmError(400, f"{name} is given twice and differs: ?{name}={query[name]} and "
+                                       f"{value!r} in the body", field=name)
+            out[name] = value
+    for name, value in out.items():
+        limits.check_length(name, value, limits.MODEL_NAME_CHARS)
+    return out
 
 
 def _summary(k: Any, entry: Any) -> dict[str, Any]:
@@ -56,9 +111,12 @@ async def read_model(request: Request, model_id: str) -> dict[str, Any]:
     return out
 
 
-@post("/v1/models/load", scope="models:write", summary="Load a model (the active or default one without ?model=)")
+@post("/v1/models/load", scope="models:write", summary="Load a model (the active or default one without ?model=)",
+      body=ModelChoice, body_required=False,
+      errors={**_PARAMS, 404: "An unregistered model", 503: "No model named and none active, loaded or configured"})
 async def load_model(request: Request, model: str | None = None) -> dict[str, Any]:
     k = kernel_of(request)
+    model = (await _params(request, model=model))["model"]
     resident, fresh = await k.models.load(model)
     out = {"status": "loaded" if fresh else "already_loaded", "model": resident.entry.id}
     slots = int(getattr(resident.engine, "slots", 1) or 1)
@@ -67,16 +125,26 @@ async def load_model(request: Request, model: str | None = None) -> dict[str, An
     return out
 
 
-@post("/v1/models/unload", scope="models:write", summary="Unload a model, or every loaded model")
+@post("/v1/models/unload", scope="models:write", summary="Unload a model, or every loaded model",
+      body=ModelChoice, body_required=False, errors={**_PARAMS, 404: "An unregistered model"})
 async def unload_model(request: Request, model: str | None = None) -> dict[str, Any]:
     k = kernel_of(request)
+    model = (await _params(request, model=model))["model"]
     if model:
         return await k.models.unload_one(model)
     return await k.models.unload_all()
 
 
-@post("/v1/models/rename", scope="models:write", summary="Rename a registered model in place")
-async def rename_model(request: Request, model: str, new_name: str) -> dict[str, Any]:
+@post("/v1/models/rename", scope="models:write", summary="Rename a registered model in place",
+      body=Rename, body_required=False,
+      errors={**_PARAMS, 404: "An unregistered model", 409: "The new name is taken",
+              422: "model or new_name missing"})
+async def rename_model(request: Request, model: str | None = None, new_name: str | None = None) -> dict[str, Any]:
+    given = await _params(request, model=model, new_name=new_name)
+    model, new_name = given["model"], given["new_name"]
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise LocalmError(422, f"{missing[0]} is required (in the query string or the body)", field=missing[0])
     if not new_name.strip():
         raise LocalmError(400, "new_name must not be empty")
     return kernel_of(request).models.rename(model, new_name)

@@ -6,9 +6,10 @@ import importlib
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import attrs
 from litestar import Request
 
-from .. import deps
+from .. import deps, limits
 from ..errors import LocalmError
 from ..jobs import JobContext
 from ..manifest import legal_id
@@ -68,8 +69,23 @@ async def refresh_one(request: Request, name: str) -> dict[str, Any]:
     return await kernel_of(request).plugins.refresh(_name(name))
 
 
+@attrs.define
+class ExternalPlugin:
+    """A plugin folder, an Open WebUI Function file (.py) or export (.json) as source; or a Function's
+    source (or an export's JSON, without id) as content. Exactly one of source and content."""
+
+    closed = True
+
+    source: str | None = None
+    content: str | None = None
+    id: str | None = None
+    force: bool = False
+
+
 @post("/api/plugins/install-external", scope="plugins:admin",
-      summary="Install a third-party plugin from a local folder, or Open WebUI Functions")
+      summary="Install a third-party plugin from a local folder, or Open WebUI Functions", body=ExternalPlugin,
+      errors={400: "An unknown field, a field of the wrong type, both or neither of source and content, or a "
+                   "source that is not a plugin", 409: "Already installed (force replaces it)"})
 async def install_external(request: Request) -> dict[str, Any]:
     """``{"source": PATH}``: a plugin folder, an Open WebUI Function file (``.py``) or an Open
     WebUI export (``.json``); or ``{"content": SOURCE, "id": ID}``: a Function's source (or an
@@ -86,6 +102,8 @@ async def install_external(request: Request) -> dict[str, Any]:
     if (source is None) == (content is None):
         raise LocalmError(400, "source must be given (a plugin folder, a .py Open WebUI Function or a .json "
                                "export), or content (a Function's source), not both")
+    if source is not None:
+        source = _local_path(source)
     if content is not None or (isinstance(source, str) and Path(source).expanduser().is_file()):
         found = k.plugins.read_functions(source, content=content, fid=fid)
         names = k.plugins.install_functions(found, force=force)
@@ -94,13 +112,25 @@ async def install_external(request: Request) -> dict[str, Any]:
         return {"status": "installed", "name": names[0], "names": names,
                 "version": first.manifest.version if first.manifest else None,
                 "types": {n: k.plugins.plugins[n].manifest.type for n in names}}
-    if not isinstance(source, str):
-        raise LocalmError(400, "source must be a path (string)")
     if fid is not None:
         raise LocalmError(400, "id applies to an Open WebUI Function; a plugin folder names itself")
     manifest = k.plugins.install_external_files(source, force=force)
     await k.plugins.sync()
     return {"status": "installed", "name": manifest.id, "version": manifest.version}
+
+
+def _local_path(source: Any) -> str:
+    """``source`` as a path on this host (``~`` expanded); a 400 for anything that cannot be one."""
+    if not isinstance(source, str):
+        raise LocalmError(400, "source must be a path (string)")
+    limits.check_length("source", source, limits.PATH_CHARS)
+    try:
+        path = Path(source).expanduser()
+        path.exists()  # a NUL byte, or a name too long for the filesystem, refuses here
+    except (RuntimeError, ValueError, OSError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise LocalmError(400, f"source is not a usable path: {reason}", field="source") from exc
+    return str(path)
 
 
 # --- install-deps ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 from litestar import Request, Response
 from litestar.datastructures import Cookie
 
@@ -33,7 +34,17 @@ async def read_session(request: Request) -> dict[str, Any]:
             "session_mode": "none"}
 
 
-@post("/api/session", access="session", summary="Exchange a key for a session cookie and a CSRF token")
+@attrs.define
+class SignIn:
+    """The key to sign in with (or send it as a bearer token instead)."""
+
+    key: str | None = None
+
+
+@post("/api/session", access="session", summary="Exchange a key for a session cookie and a CSRF token",
+      body=SignIn, body_required=False,
+      errors={400: "Open mode: no key is configured, so there is nothing to sign in to",
+              401: "No key sent, or a key that does not verify"})
 async def sign_in(request: Request) -> Response:
     k = kernel_of(request)
     if not k.auth_required():

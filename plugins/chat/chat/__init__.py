@@ -235,7 +235,7 @@ async def embeddings(request: sdk.Request) -> sdk.Response:
     texts = r.body.get("input")
     if isinstance(texts, str):
         texts = [texts]
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         r.errors.append({"key": "input", "message": "must be a string or a non-empty list of strings"})
     r.done()
     headers = fields.check("embeddings", r.body, request.headers)

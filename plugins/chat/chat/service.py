@@ -362,7 +362,13 @@ class ChatService:
         return await self._prepare(common, options, render, headers, received, chain, steering)
 
     async def embed(self, model: str | None, texts: list[str]) -> tuple[Any, list[list[float]], int]:
-        """The registry entry, one normalised vector per text, and the tokens they took."""
+        """The registry entry, one normalised vector per text, and the tokens they took. No
+        texts, or an empty one, is a 400 (code empty_input) before any engine sees them."""
+        empty = [i for i, t in enumerate(texts) if not t]
+        if not texts or empty:  # nothing to embed: an engine's decode fails on zero tokens
+            where = "input is empty" if not texts or len(texts) == 1 else f"input[{empty[0]}] is an empty string"
+            raise sdk.LocalmError(400, f"{where}: each input must be a non-empty string", code="empty_input",
+                                  field="input")
         entry = self.host.models.resolve(model)
         if entry.role == "reranker":
             raise sdk.LocalmError(422, f"{entry.id} is a reranker: it scores documents against a query "

@@ -1,0 +1,203 @@
+"""Limits on what a client sends, and inputs that once broke the server: each is a clear 4xx,
+the model keeps serving after it, and the server still shuts down cleanly."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import offline_cli
+
+pytest.importorskip("llama_cpp")
+MODEL = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def keyed(module_server: Any) -> Any:
+    owner: list[str] = []
+
+    def prepare(data_dir: Path) -> None:
+        owner.append(offline_cli(data_dir, "key", "generate").strip())
+
+    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic"])
+    return s, s.client(owner[0], timeout=120)
+
+
+def nested(depth: int) -> bytes:
+    return b'{"model": "x", "input": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+#: (method, path, body bytes or JSON, expected status, expected code): each once broke or was
+#: silently accepted; test_clean_shutdown_after_every_failing_input sends them all again.
+FAILING: list[tuple[str, str, Any, int, str | None]] = [
+    ("POST", "/v1/embeddings", {"model": MODEL, "input": ""}, 400, "empty_input"),
+    ("POST", "/v1/embeddings", {"model": MODEL, "input": [""]}, 400, "empty_input"),
+    ("POST", "/v1/embeddings", {"model": MODEL, "input": ["the sea", ""]}, 400, "empty_input"),
+    ("POST", "/v1/embeddings", {"model": MODEL, "input": []}, 400, "empty_input"),
+    ("POST", "/api/embed", {"model": MODEL, "input": [""]}, 400, None),  # Ollama's shape has no code
+    ("POST", "/v1/embeddings", nested(100_000), 400, "limit_exceeded"),
+    ("POST", "/v1/chat/completions", nested(100_000), 400, "limit_exceeded"),
+    ("POST", "/api/chat", nested(5_000), 400, None),
+    ("POST", "/v1/messages", nested(5_000), 400, None),  # Anthropic's shape has no code
+    ("POST", "/v1/keys", nested(100_000), 400, "limit_exceeded"),
+    ("PATCH", "/v1/config", b"[" * 1000 + b"]" * 1000, 400, "limit_exceeded"),
+    ("POST", "/v1/chat/completions", b'{"messages": "' + b"x" * 11_000_000 + b'"}', 413, "body_too_large"),
+    ("POST", "/v1/models/load", {"model": "nope"}, 404, None),
+    ("POST", "/v1/models/load", {"modle": MODEL}, 400, "unknown_field"),
+    ("POST", "/v1/keys", {"name": "n" * 100_000, "scopes": []}, 400, "limit_exceeded"),
+    ("POST", "/v1/keys", {"name": "many", "scopes": ["config:read"] * 1000}, 400, "limit_exceeded"),
+    ("POST", "/v1/keys", {"name": "long", "scopes": ["s" * 100_000]}, 400, "limit_exceeded"),
+    ("POST", "/v1/keys", {"name": "roots", "scopes": [], "rag_roots": ["/tmp"] * 1000}, 400, "limit_exceeded"),
+]
+
+
+def send(http: httpx.Client, method: str, path: str, body: Any) -> httpx.Response:
+    if isinstance(body, bytes):
+        return http.request(method, path, content=body, headers={"Content-Type": "application/json"})
+    return http.request(method, path, json=body)
+
+
+def code_of(r: httpx.Response) -> str | None:
+    body = r.json()
+    if "code" in body:
+        return body["code"]
+    if isinstance(body.get("error"), dict):  # anthropic: {"type": "error", "error": {...}}
+        return body["error"].get("code")
+    return None
+
+
+def still_serving(http: httpx.Client) -> None:
+    r = http.post("/v1/embeddings", json={"model": MODEL, "input": ["the sea", "a cat"]})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == 2 and len(r.json()["data"][0]["embedding"]) > 100
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("body", [{"input": ""}, {"input": [""]}, {"input": ["a", ""]}, {"input": []}],
+                         ids=["empty", "list-of-empty", "one-empty", "no-input"])
+def test_empty_embedding_input_is_a_400_and_the_model_keeps_serving(keyed: Any, body: dict[str, Any]) -> None:
+    _, http = keyed
+    r = http.post("/v1/embeddings", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "empty_input" and r.json()["error"]["param"] == "input"
+    assert "non-empty string" in r.json()["error"]["message"]
+    still_serving(http)
+
+
+def test_ollama_empty_input_is_a_400_and_an_empty_list_embeds_nothing(keyed: Any) -> None:
+    _, http = keyed
+    r = http.post("/api/embed", json={"model": MODEL, "input": ["the sea", ""]})
+    assert r.status_code == 400 and "non-empty string" in r.json()["error"]
+    assert http.post("/api/embed", json={"model": MODEL, "input": []}).json()["embeddings"] == []
+    assert http.post("/api/embed", json={"model": MODEL, "input": ""}).json()["embeddings"] == []
+    still_serving(http)
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/chat/completions", "/api/chat", "/v1/messages",
+                                  "/v1/keys", "/v1/models/load"])
+def test_deeply_nested_json_is_a_400_on_every_route_family(keyed: Any, path: str) -> None:
+    _, http = keyed
+    r = send(http, "POST", path, nested(100_000))
+    assert r.status_code == 400, r.text
+    assert "nested more than 100 levels" in r.text
+    still_serving(http)
+
+
+def test_nesting_within_the_limit_is_read_as_before(keyed: Any) -> None:
+    _, http = keyed
+    deep = {"model": MODEL, "input": "x", "user": json.loads("[" * 90 + "]" * 90)}
+    r = http.post("/v1/embeddings", json=deep)
+    assert r.status_code != 400 or "nested" not in r.text  # past the depth check: the route reads it
+    # brackets inside strings do not count
+    r = http.post("/v1/embeddings", json={"model": MODEL, "input": "[" * 5000})
+    assert r.status_code == 200, r.text
+
+
+def test_body_over_the_size_limit_is_a_413_in_the_route_family_shape(keyed: Any) -> None:
+    _, http = keyed
+    big = b'{"model": "x", "messages": "' + b"x" * 11_000_000 + b'"}'
+    r = send(http, "POST", "/v1/chat/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert "at most 10000000 bytes" in r.json()["error"]["message"]
+    r = send(http, "POST", "/v1/messages", big)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = send(http, "PATCH", "/v1/config", big)
+    assert r.status_code == 413 and r.json()["code"] == "body_too_large"
+    still_serving(http)
+
+
+def test_the_limits_are_settings(keyed: Any) -> None:
+    s, http = keyed
+    schema = {f["key"]: f for f in http.get("/v1/config/schema").json()["fields"]}
+    assert schema["max_body_bytes"]["default"] == 10_000_000
+    assert schema["max_json_depth"]["default"] == 100
+    assert http.patch("/v1/config", json={"max_json_depth": 20}).status_code == 200
+    try:
+        r = send(http, "POST", "/v1/embeddings", nested(25))
+        assert r.status_code == 400 and "nested more than 20 levels" in r.text
+    finally:
+        assert http.patch("/v1/config", json={"max_json_depth": None}).status_code == 200
+    assert send(http, "POST", "/v1/embeddings", nested(25)).status_code == 422  # read, then refused as before
+
+
+def test_load_reads_the_model_from_the_body_too(keyed: Any) -> None:
+    _, http = keyed
+    r = http.post("/v1/models/load", json={"model": "nope"})
+    assert r.status_code == 404 and "nope" in r.text
+    r = http.post("/v1/models/load", json={"model": MODEL})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    r = http.post("/v1/models/load", params={"model": MODEL}, json={"model": "nope"})
+    assert r.status_code == 400 and "differs" in r.json()["detail"]
+    r = http.post("/v1/models/load", json={"modle": MODEL})
+    assert r.status_code == 400 and r.json()["code"] == "unknown_field" and "modle" in r.json()["detail"]
+    r = http.post("/v1/models/load", json={"model": 3})
+    assert r.status_code == 400 and r.json()["detail"] == "model must be a string"
+    r = http.post("/v1/models/unload", json={"model": "nope"})
+    assert r.status_code == 404
+    r = http.post("/v1/models/rename", json={"model": "nope", "new_name": "other"})
+    assert r.status_code == 404
+    r = http.post("/v1/models/rename", json={"model": MODEL})
+    assert r.status_code == 422 and "new_name is required" in r.json()["detail"]
+    still_serving(http)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"name": "n" * 201}, "name"),
+    ({"name": "many", "scopes": ["config:read"] * 65}, "scopes"),
+    ({"name": "long", "scopes": ["a" * 101]}, "scopes[]"),
+    ({"name": "roots", "rag_roots": ["/tmp"] * 65}, "rag_roots"),
+    ({"name": "root", "rag_roots": ["/" + "d" * 5000]}, "rag_roots[]"),
+])
+def test_key_mint_limits(keyed: Any, body: dict[str, Any], field: str) -> None:
+    s, http = keyed
+    before = http.get("/v1/keys").json()["keys"]
+    r = http.post("/v1/keys", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["code"] == "limit_exceeded" and r.json()["field"] == field
+    assert "at most" in r.json()["detail"]
+    assert http.get("/v1/keys").json()["keys"] == before  # nothing stored
+    ok = http.post("/v1/keys", json={"name": "n" * 200, "scopes": ["config:read"] * 64})
+    assert ok.status_code == 200 and ok.json()["scopes"] == ["config:read"]
+    http.delete(f"/v1/keys/{ok.json()['id']}")
+
+
+def test_clean_shutdown_after_every_failing_input(keyed: Any) -> None:
+    """Runs last: the server took each input that once failed, keeps serving, and exits 0 on SIGTERM."""
+    s, http = keyed
+    for method, path, body, status, code in FAILING:
+        r = send(http, method, path, body)
+        assert r.status_code == status, (path, r.text[:300])
+        if code is not None:
+            assert code_of(r) == code, (path, r.text[:300])
+    still_serving(http)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=60) == 0, s.log()
+    assert "Traceback" not in s.log(), s.log()
