@@ -52,9 +52,9 @@ def test_ps_and_stop(s: LocalmServer) -> None:
     assert s.owner().post("/v1/models/load", params={"model": MODEL}).status_code == 200
     lines = s.cli("ps").stdout.splitlines()
     assert lines[0].split() == ["NAME", "SIZE", "ENGINE", "SLOTS", "CONTEXT", "LOADED", "UNTIL"]
-    assert lines[1].split()[:6] == [MODEL, "98", "MB", "llamacpp", "0/1", "4096"] and lines[1].endswith("forever")
+    assert lines[1].split()[:6] == [MODEL, "98", "MB", "llamacpp", "0/4", "4096"] and lines[1].endswith("forever")
     [row] = json.loads(s.cli("ps", "--json").stdout)
-    assert row["id"] == MODEL and row["engine"] == "llamacpp" and row["slots"] == 1 and row["until"] is None
+    assert row["id"] == MODEL and row["engine"] == "llamacpp" and row["slots"] == 4 and row["until"] is None
     assert row["active"] is True and row["size_bytes"] > 90_000_000
 
     # the route works without the ollama plugin, with a models:read key

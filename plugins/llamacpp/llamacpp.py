@@ -421,10 +421,11 @@ class LlamaEngine:
         params.n_seq_max = self._slots
         params.kv_unified = False
         params.n_batch = max(params.n_batch, self._slots)
-        # flash attention where the backend has it (llama-server's default): a batch of several
-        # sequences decodes about a fifth faster on CPU, and a sequence still computes what it
-        # computes alone
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+        # no flash attention: on CPU it decodes a batch of several sequences about a fifth faster
+        # (llama-server turns it on), but a token decoded on its own then computes other numbers
+        # than the same token in a longer batch, and scoring, logprobs and greedy replies stop
+        # agreeing across paths (tests/test_scoring.py)
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         try:
             return internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
         except Exception:
@@ -517,6 +518,9 @@ class LlamaEngine:
                     log.warning("could not open a context of %d tokens a slot: %s", wanted, exc)
             self._waiting.popleft()
             prompt = request.prompt
+            if not prompt:
+                self._end(job, "error", "The prompt is empty")
+                continue
             if len(prompt) >= self._n_ctx_slot:
                 self._end(job, "error", f"The prompt is {len(prompt)} tokens; the context window is "
                                         f"{self._n_ctx_slot} tokens")
@@ -575,6 +579,10 @@ class LlamaEngine:
                 if len(take) == len(seq.feed):  # its last token: draw after it
                     batch.logits[n - 1] = True
                     rows.append((job, n - 1))
+        if n == 0:  # nothing to decode: never the case, but a job must not wait for ever
+            for job in list(self._running):
+                self._end(job, "error", "The engine had nothing to decode for this request")
+            return
         batch.n_tokens = n
         status = llama_cpp.llama_decode(self.llm._ctx.ctx, batch)
         if status != 0:
