@@ -216,20 +216,22 @@ class Peer:
         assert self.proc is not None
         return self.proc.pid
 
+    health = "/v1/models"  # answers 200 once the model is loaded
+
     def start(self) -> None:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (open while the server runs)
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"llama_cpp.server did not answer in {START_TIMEOUT:.0f}s:\n{self.log()}")
+        raise RuntimeError(f"{self.name} did not answer in {START_TIMEOUT:.0f}s:\n{self.log()}")
 
     def log(self) -> str:
         try:
@@ -572,27 +574,12 @@ class LlamaServer:
         self.proc: subprocess.Popen[bytes] | None = None
         self.model: str | None = None
 
+    health = "/health"
     pid = Peer.pid
     log = Peer.log
     client = Peer.client
-
-    def start(self) -> None:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 (open while the server runs)
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"llama-server did not answer in {START_TIMEOUT:.0f}s:\n{self.log()}")
-
-    def stop(self) -> None:
-        Peer.stop(self)  # type: ignore[arg-type]
+    start = Peer.start
+    stop = Peer.stop
 
 
 def load_round(server: Any, client_for: Any, prompts: list[str], args: argparse.Namespace) -> dict[str, Any]:
