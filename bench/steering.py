@@ -1,13 +1,14 @@
 """What steering costs: tokens/s unsteered, with one SAE feature steered, and with a 3-layer
-circuit, on the same model and server.
+circuit, on the same model and server, for each engine.
 
 Run it from the repository root with the project's interpreter::
 
-    .venv/bin/python bench/steering.py                      # SmolLM2-135M via transformers, 5 rounds
-    .venv/bin/python bench/steering.py --rounds 9 --threads 2
+    .venv/bin/python bench/steering.py                      # SmolLM2-135M on both engines, 5 rounds
+    .venv/bin/python bench/steering.py --engine llamacpp --rounds 9
 
-It starts ``localm serve --plugins chat,transformers,steering,circuits`` (the transformers
-plugin's n_threads set before the model loads), writes three SAELens SAEs of SmolLM2's
+For each engine it starts ``localm serve --plugins chat,ENGINE,steering,circuits`` (the
+engine plugin's n_threads set before the model loads: ``--threads`` for transformers, every
+CPU for llama.cpp, as it serves by default), writes three SAELens SAEs of SmolLM2's
 width (576; 64 features, random unit decoder rows) for layers 5, 15 and 25, registers and
 attaches them through ``/api/saes``, saves a profile steering one feature of the layer-15
 SAE (strength 8) and imports a circuit with one member on each of the three layers
@@ -19,7 +20,9 @@ tokens each, one at a time, the three variants interleaved in a rotating order:
 - ``3-layer circuit``: ``circuit`` naming the circuit.
 
 tokens/s is completion tokens over the request's wall time minus its ``usage.ttft_ms``; the
-ratio is against ``unsteered`` in the same run (the target: steering costs under 10%).
+ratio is against ``unsteered`` on the same engine in the same run (the targets: steering
+costs under 10% on transformers, under 5% on llama.cpp). The last lines put the engines side
+by side: llama.cpp's tokens/s over transformers', per variant.
 """
 
 from __future__ import annotations
@@ -86,22 +89,15 @@ def measure(client: httpx.Client, variant: str, max_tokens: int) -> dict[str, fl
     return {"tokens": usage["completion_tokens"], "tok_s": (usage["completion_tokens"] - 1) / generating}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="PyTorch threads (1 is fastest for this model on a 2-CPU machine)")
-    args = parser.parse_args()
-    print(f"SmolLM2-135M-Instruct via transformers, {args.threads} threads, {args.max_tokens} tokens, "
-          f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}")
+def run(engine: str, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     env = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    threads = args.threads if engine == "transformers" else 0
     with tempfile.TemporaryDirectory(prefix="localm-bench-steering-") as tmp:
-        server = LocalmServer(Path(tmp) / "data", plugins=["chat", "transformers", "steering", "circuits"], env=env)
+        server = LocalmServer(Path(tmp) / "data", plugins=["chat", engine, "steering", "circuits"], env=env)
         server.start()
         try:
             owner = server.owner()
-            owner.post("/v1/plugins/transformers/settings", json={"n_threads": args.threads}).raise_for_status()
+            owner.post(f"/v1/plugins/{engine}/settings", json={"n_threads": threads}).raise_for_status()
             set_up(owner, Path(tmp))
             rows: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
             with httpx.Client(base_url=server.url, timeout=600) as client:
@@ -113,14 +109,42 @@ def main() -> None:
                         rows[variant].append(measure(client, variant, args.max_tokens))
         finally:
             server.stop()
-    base = statistics.median(row["tok_s"] for row in rows["unsteered"])
-    print(f"  {'variant':<18}{'tokens/s':>10}{'ratio':>8}{'tokens':>8}   (median; tokens/s min-max)")
-    for variant, measured in rows.items():
-        values = [row["tok_s"] for row in measured]
-        median = statistics.median(values)
-        tokens = statistics.median(row["tokens"] for row in measured)
-        print(f"  {variant:<18}{median:>10.1f}{median / base:>8.2f}{tokens:>8.0f}   "
-              f"({min(values):.1f}-{max(values):.1f})")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["both", "llamacpp", "transformers"], default="both")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="PyTorch threads (1 is fastest for this model on a 2-CPU machine)")
+    args = parser.parse_args()
+    engines = ["llamacpp", "transformers"] if args.engine == "both" else [args.engine]
+    print(f"SmolLM2-135M-Instruct on {' and '.join(engines)}, {args.max_tokens} tokens, {args.rounds} rounds, "
+          f"transformers on {args.threads} threads, llama.cpp on {os.cpu_count()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    targets = {"llamacpp": 0.95, "transformers": 0.9}
+    medians: dict[str, dict[str, float]] = {}
+    for engine in engines:
+        rows = run(engine, args)
+        medians[engine] = {variant: statistics.median(row["tok_s"] for row in measured)
+                           for variant, measured in rows.items()}
+        base = medians[engine]["unsteered"]
+        print(f"\n{engine} (model file: the GGUF; steering ratio target >= {targets[engine]})")
+        print(f"  {'variant':<18}{'tokens/s':>10}{'ratio':>8}{'tokens':>8}   (median; tokens/s min-max)")
+        for variant, measured in rows.items():
+            values = [row["tok_s"] for row in measured]
+            median = medians[engine][variant]
+            tokens = statistics.median(row["tokens"] for row in measured)
+            verdict = "" if variant == "unsteered" else "  met" if median / base >= targets[engine] else "  NOT MET"
+            print(f"  {variant:<18}{median:>10.1f}{median / base:>8.2f}{tokens:>8.0f}   "
+                  f"({min(values):.1f}-{max(values):.1f}){verdict}")
+    if len(medians) == 2:
+        print("\nllama.cpp over transformers, tokens/s:")
+        for variant in VARIANTS:
+            print(f"  {variant:<18}{medians['llamacpp'][variant] / medians['transformers'][variant]:>8.2f}x")
+    print(f"\nload average now {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -160,3 +160,29 @@ def tiny_random_llama(folder: str | os.PathLike, *, hidden: int = 64, layers: in
     model.save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def dequantized_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """``src``'s GGUF with every tensor dequantized to float32: the weights transformers loads
+    from ``src`` (it dequantizes them too), for llama.cpp to compute with without quantising
+    its activations. Metadata copied; the file type set to all-F32. Returns ``dst``."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for tensor in reader.tensors:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)

@@ -280,11 +280,11 @@ def test_an_unparseable_definition_does_not_steer(server: Any, owner: httpx.Clie
         owner.post("/api/circuits/deactivate")
 
 
-def test_llamacpp_refuses_the_circuit_field_before_loading(module_server: Callable[..., Any]) -> None:
+def test_llamacpp_checks_the_circuit_field_before_loading(module_server: Callable[..., Any]) -> None:
     pytest.importorskip("llama_cpp")
     s = module_server(plugins=["chat", "llamacpp", "steering", "circuits"])
     r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={"model": MODEL, "messages": ASK, "circuit": "x"})
-    assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == "circuit"
+    assert r.status_code == 404 and r.json()["code"] == "circuit_not_found", r.text
     assert s.owner().get("/v1/models").json()["data"][0]["loaded"] is False
 
 

@@ -2,7 +2,7 @@
 Scope npz files, attached per layer; feature strengths steer a chat completion exactly as a
 reference PyTorch forward hook adding Σ strength·W_dec[i] at the SAE's layer does; profiles,
 the intensity dial and its header; embeddings and scoring never steered; profiles persist;
-llama.cpp refuses steering fields before loading."""
+llama.cpp checks steering fields before loading."""
 
 from __future__ import annotations
 
@@ -405,17 +405,19 @@ def test_a_locked_model_is_the_only_one_listed(tmp_path: Path) -> None:
         second.stop()
 
 
-def test_llamacpp_refuses_steering_fields_before_loading(module_server: Callable[..., Any]) -> None:
+def test_llamacpp_checks_steering_fields_before_loading(module_server: Callable[..., Any]) -> None:
+    """The default model steers on llama.cpp (tests/test_steering_gguf.py); what cannot be
+    served is refused before it loads, as on transformers."""
     pytest.importorskip("llama_cpp")
     s = module_server(plugins=["chat", "llamacpp", "steering"])
-    for field, value in (("profile", "anything"), ("steering_intensity", 0.5)):
-        r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
-                       json={"model": MODEL, "messages": ASK, field: value})
-        assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == field
-    for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Hi"})):
-        r = httpx.post(s.url + path, timeout=60,
-                       json={"model": MODEL, **body, "return_sae_activations": {"positions": "last"}})
-        assert r.status_code == 400 and r.json()["field"] == "return_sae_activations"
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": ASK, "profile": "anything"})
+    assert r.status_code == 404 and r.json()["code"] == "profile_not_found", r.text
+    r = httpx.post(s.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "profile": "x"})
+    assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == "profile"
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": ASK, "return_sae_activations": {"positions": "last"}})
+    assert r.status_code == 400 and r.json()["code"] == "no_sae_attached", r.text
     assert s.owner().get("/v1/models").json()["data"][0]["loaded"] is False
 
 

@@ -1,6 +1,6 @@
 """The steering seam: a plugin's forward_interventions hook steers one chat completion on the
 transformers engine exactly as a reference PyTorch forward hook does, and never reaches
-scoring, embeddings or another request; llama.cpp refuses it before loading."""
+scoring, embeddings or another request; llama.cpp checks a delta when it decodes."""
 
 from __future__ import annotations
 
@@ -139,7 +139,9 @@ def test_activation_reads_come_back_with_the_reply(server: Any, reference: Any, 
     assert probe["max_delta_error"] < 1e-3  # float32 rounding of residuals of a few hundred
 
 
-def test_llamacpp_refuses_steering_before_loading(module_server: Callable[..., Any]) -> None:
+def test_llamacpp_checks_a_delta_when_it_decodes(module_server: Callable[..., Any]) -> None:
+    """On llama.cpp a plugin's delta of the wrong width is refused in-band (the stream has
+    opened), and the next request is served."""
     pytest.importorskip("llama_cpp")
 
     def prepare(data_dir: Path) -> None:
@@ -147,6 +149,10 @@ def test_llamacpp_refuses_steering_before_loading(module_server: Callable[..., A
 
     s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "steerprobe"])
     r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": ASK, "probe_delta": {"layer": 1, "delta": [0.0]}})
-    assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == "probe_delta"
-    assert s.owner().get("/v1/models").json()["data"][0]["loaded"] is False
+        "model": MODEL, "messages": ASK, "max_tokens": 2, "probe_delta": {"layer": 1, "delta": [0.0]}})
+    assert "hidden size is 576" in r.text, r.text
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 2, "probe_delta": {"layer": 30, "delta": [0.0] * 576}})
+    assert "layer must be 0..29" in r.text, r.text
+    r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={"model": MODEL, "messages": ASK, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

@@ -130,13 +130,124 @@ def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class _Steer:
+    """One request's interventions and activation reads, checked, for llama.cpp.
+
+    ``deltas``: layer → float32 vector (the sum of that layer's interventions); ``reads``:
+    layer → points; ``key`` identifies the deltas (a slot's cached prompt is reused only
+    under the same key). Deltas go into a control vector, which llama.cpp adds to each
+    layer's output (``l_out``, after the FFN's residual add: SAELens' ``hook_resid_post``).
+    A control vector has no row for layer 0, and reading needs llama.cpp's eval callback,
+    so a request with reads or a layer-0 delta is a ``probe``: it decodes alone in a context
+    opened with the callback, which adds its deltas and copies the rows it reads.
+    """
+
+    def __init__(self, request: spec.GenerateRequest, layers: int | None, hidden: int | None) -> None:
+        import numpy as np
+        sums: dict[int, Any] = {}
+        for item in request.interventions:
+            layer = self._layer(getattr(item, "layer", None), layers, "An intervention")
+            delta = item.delta
+            if hasattr(delta, "detach"):  # a torch tensor
+                delta = delta.detach().to("cpu").float().numpy()
+            try:
+                vector = np.asarray(delta, dtype=np.float32)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"An intervention's delta is not a vector of numbers: {exc}") from None
+            if vector.ndim != 1 or vector.shape[0] != hidden:
+                raise ValueError(f"An intervention's delta has shape {tuple(vector.shape)}; "
+                                 f"this model's hidden size is {hidden}")
+            if not np.isfinite(vector).all():
+                raise ValueError("An intervention's delta holds a value that is not finite")
+            sums[layer] = sums[layer] + vector if layer in sums else vector.copy()
+        self.deltas = sums
+        self.key = tuple((layer, sums[layer].tobytes()) for layer in sorted(sums))
+        self.reads: dict[int, set[str]] = {}
+        self.rows: dict[tuple[int, str], list[Any]] = {}
+        for read in request.reads:
+            layer = self._layer(getattr(read, "layer", None), layers, "An activation read")
+            point = getattr(read, "point", None)
+            if point not in ("pre", "post"):
+                raise ValueError(f"An activation read's point must be 'pre' or 'post', not {point!r}")
+            self.reads.setdefault(layer, set()).add(point)
+            self.rows[(layer, point)] = []
+        self.hidden = hidden or 0
+        self.probe = bool(self.reads) or 0 in sums
+        #: the last layer's output holds only the rows whose logits are asked for
+        self.every_row = layers is not None and layers - 1 in self.reads
+        self.names = {f"l_out-{layer}".encode(): layer for layer in set(sums) | set(self.reads)} if self.probe else {}
+        self.error: str | None = None
+
+    @staticmethod
+    def _layer(layer: Any, layers: int | None, what: str) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool) or layers is None or not 0 <= layer < layers:
+            raise ValueError(f"{what}'s layer must be 0..{(layers or 0) - 1}, not {layer!r}")
+        return layer
+
+    def control_vector(self, layers: int) -> tuple[Any, int, int] | None:
+        """The deltas as llama.cpp's control vector: layers 1..n-1's rows in one buffer (there is
+        never a row for layer 0), and the first and last layer it applies to."""
+        import numpy as np
+        steered = [layer for layer in self.deltas if layer > 0]
+        if not steered:
+            return None
+        buffer = np.zeros((layers - 1, self.hidden), dtype=np.float32)
+        for layer in steered:
+            buffer[layer - 1] = self.deltas[layer]
+        return buffer, min(steered), max(steered)
+
+    def observe(self, layer: int, rows: Any) -> bool:
+        """The eval callback's work at ``layer``'s output: read "pre", add the delta, read
+        "post". True when ``rows`` changed (to be written back)."""
+        points = self.reads.get(layer, ())
+        if "pre" in points:
+            self.rows[(layer, "pre")].append(rows.copy())
+        delta = self.deltas.get(layer)
+        if delta is not None:
+            rows += delta
+        if "post" in points:
+            self.rows[(layer, "post")].append(rows.copy())
+        return delta is not None
+
+    def activations(self) -> dict[tuple[int, str], Any] | None:
+        import numpy as np
+        if not self.rows:
+            return None
+        return {key: (np.concatenate(parts, axis=0) if parts else np.zeros((0, self.hidden), dtype=np.float32))
+                for key, parts in self.rows.items()}
+
+
+class _Ggml:
+    """The few ggml calls the eval callback makes on a tensor (from the ggml library
+    llama-cpp-python ships): its name, shape and data."""
+
+    def __init__(self) -> None:
+        from llama_cpp import _ggml
+        lib = _ggml.libggml
+        self.name = lib.ggml_get_name
+        self.name.argtypes, self.name.restype = [ctypes.c_void_p], ctypes.c_char_p
+        self.nrows = lib.ggml_nrows
+        self.nrows.argtypes, self.nrows.restype = [ctypes.c_void_p], ctypes.c_int64
+        self.nelements = lib.ggml_nelements
+        self.nelements.argtypes, self.nelements.restype = [ctypes.c_void_p], ctypes.c_int64
+        self.nbytes = lib.ggml_nbytes
+        self.nbytes.argtypes, self.nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
+        self.get = lib.ggml_backend_tensor_get
+        self.get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        self.get.restype = None
+        self.set = lib.ggml_backend_tensor_set
+        self.set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        self.set.restype = None
+
+
 class _Sequence:
     """A request's state in the decode loop."""
 
-    __slots__ = ("masker", "slot", "feed", "sampler", "decoder", "prompting", "n", "started", "first")
+    __slots__ = ("masker", "steer", "slot", "feed", "sampler", "decoder", "prompting", "n", "started", "first")
 
-    def __init__(self, masker: spec.TokenMasker | None) -> None:
+    def __init__(self, masker: spec.TokenMasker | None, steer: _Steer | None = None) -> None:
         self.masker = masker
+        self.steer = steer
         self.slot: int | None = None
         self.feed: list[int] = []  # tokens to decode next: the prompt's rest, then the last token drawn
         self.sampler: Any = None
@@ -203,9 +314,7 @@ class LlamaEngine:
                 ceiling = self.llm.n_ctx()
             self._ctx_max = max(self.llm.n_ctx(), ceiling)
         self.capabilities = spec.Capabilities(
-            # llama.cpp offers no per-request hook on the residual stream: no steering, no reads
-            interventions=False, hidden_size=_meta_int(meta, f"{arch}.embedding_length"),
-            layers=_meta_int(meta, f"{arch}.block_count"),
+            hidden_size=_meta_int(meta, f"{arch}.embedding_length"), layers=_meta_int(meta, f"{arch}.block_count"),
             context_window=self._window if self.reranker else self.llm.n_ctx(), chat_template=bool(self.template),
             embeddings=not self.reranker,
             # llama.cpp picks kernels by batch size: a reply over a reused cache can differ
@@ -214,6 +323,9 @@ class LlamaEngine:
             tool_use=bool(self.template and "tools" in self.template),
             logprobs=not self.reranker, grammar=not self.reranker and spec.Constrainer.available(),
             rerank=self.reranker, context_max=None if self.reranker else self._ctx_max)
+        # steering: a control vector per request, reads through the eval callback (see _Steer)
+        self.capabilities = attrs.evolve(self.capabilities, interventions=not self.reranker and bool(
+            self.capabilities.hidden_size and self.capabilities.layers and self.capabilities.layers > 1))
         #: A decoder reranker's prompt (Qwen3-Reranker), with {query} and {document} in it.
         self._rerank_template = meta.get("tokenizer.chat_template.rerank") or None
         bos = self.llm.token_bos()
@@ -229,6 +341,16 @@ class LlamaEngine:
         self._n_batch = max(int(settings["n_batch"]), self._slots)
         self._batch: Any = None
         self._queue: Any
+        #: steering state: the control vector set on the context (its key; () for none), whether
+        #: the context was opened with the eval callback, the deltas the running requests are
+        #: decoded with and whether one of them is a probe, and the probe decoding now
+        self._cvec: tuple = ()
+        self._probing = False
+        self._mode: tuple = ()
+        self._mode_probe = False
+        self._reader: _Steer | None = None
+        self._ggml: _Ggml | None = None
+        self._callback: Any = None
         if self.reranker:
             self._queue = spec.Serial("llamacpp")
             self._n_ctx_slot = self._window
@@ -245,6 +367,7 @@ class LlamaEngine:
             self.capabilities = attrs.evolve(self.capabilities, context_window=self._n_ctx_slot)
             self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
             self._slot_tokens: list[list[int]] = [[] for _ in range(self._slots)]
+            self._slot_key: list[tuple] = [() for _ in range(self._slots)]  # the deltas each cache holds
             self._slot_user: list[spec.Job | None] = [None] * self._slots
             self._slot_used = [0.0] * self._slots
             self._waiting: deque[spec.Job] = deque()
@@ -410,9 +533,10 @@ class LlamaEngine:
         llama_cpp.llama_memory_seq_rm(self._memory(), slot, keep, -1)
         del self._slot_tokens[slot][keep:]
 
-    def _new_context(self, per_slot: int) -> Any:
+    def _new_context(self, per_slot: int, probe: bool = False) -> Any:
         """A context of ``per_slot`` tokens for each slot: one KV stream a sequence, so a
-        sequence's numbers never depend on what the other slots hold."""
+        sequence's numbers never depend on what the other slots hold. ``probe``: with the eval
+        callback (every graph node passes through it: only while a probe decodes)."""
         from llama_cpp import _internals as internals
         import llama_cpp
         params = self.llm.context_params
@@ -426,11 +550,70 @@ class LlamaEngine:
         # than the same token in a longer batch, and scoring, logprobs and greedy replies stop
         # agreeing across paths (tests/test_scoring.py)
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.cb_eval = self._eval_callback() if probe else llama_cpp.ggml_backend_sched_eval_callback()
         try:
             return internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
         except Exception:
             params.n_ctx, params.n_seq_max, params.kv_unified, params.n_batch, params.flash_attn_type = old
             raise
+        finally:  # a later context (the embedder's) is opened without it
+            params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback()
+
+    def _eval_callback(self) -> Any:
+        """llama.cpp's eval callback, for a probe's context: asked about every node of the
+        graph, it claims the outputs of the layers the probe decoding now steers or reads,
+        then gets each as it is computed and before the next layer reads it."""
+        if self._callback is not None:
+            return self._callback
+        import llama_cpp
+        import numpy as np
+        ggml = self._ggml = _Ggml()
+
+        def observe(tensor: int, ask: bool, _data: Any) -> bool:
+            reader = self._reader
+            if reader is None:
+                return False if ask else True
+            layer = reader.names.get(ggml.name(tensor))
+            if layer is None:
+                return False if ask else True
+            if ask:
+                return True
+            try:
+                size, rows = ggml.nelements(tensor), ggml.nrows(tensor)
+                nbytes = ggml.nbytes(tensor)
+                if rows <= 0 or nbytes != size * 4 or size // rows != reader.hidden:
+                    raise RuntimeError(f"layer {layer}'s output is not {reader.hidden} float32 columns")
+                data = np.empty((rows, size // rows), dtype=np.float32)
+                ggml.get(tensor, data.ctypes.data, 0, nbytes)
+                if reader.observe(layer, data):
+                    ggml.set(tensor, data.ctypes.data, 0, nbytes)
+            except Exception as exc:  # noqa: BLE001 - inside a ctypes callback: kept, reported after the decode
+                reader.error = reader.error or f"reading layer {layer}: {exc}"
+            return True
+        self._callback = llama_cpp.ggml_backend_sched_eval_callback(observe)
+        return self._callback
+
+    def _set_cvec(self, steer: _Steer | None) -> None:
+        """Set the context's control vector to ``steer``'s deltas (None: none); each change
+        costs llama.cpp a graph reservation, so an unchanged one is left."""
+        key = steer.key if steer is not None else ()
+        if key == self._cvec:
+            return
+        vector = steer.control_vector(self.capabilities.layers) if steer is not None else None
+        self._apply_cvec(vector)
+        self._cvec = key if vector is not None else ()
+
+    def _apply_cvec(self, vector: tuple[Any, int, int] | None) -> None:
+        import llama_cpp
+        hidden = self.capabilities.hidden_size
+        if vector is None:
+            status = llama_cpp.llama_set_adapter_cvec(self.llm._ctx.ctx, None, 0, hidden, -1, -1)
+        else:
+            buffer, first, last = vector
+            pointer = buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            status = llama_cpp.llama_set_adapter_cvec(self.llm._ctx.ctx, pointer, buffer.size, hidden, first, last)
+        if status != 0:
+            raise RuntimeError(f"llama.cpp could not set the control vector (status {status})")
 
     def _slot_window(self) -> int:
         import llama_cpp
@@ -452,10 +635,11 @@ class LlamaEngine:
         steps = -(-need // WINDOW_STEP) * WINDOW_STEP
         return min(self._ctx_max, max(steps, 2 * current))
 
-    def _resize(self, n_ctx: int) -> None:
-        """Open every slot's window at ``n_ctx`` tokens on the same weights, keeping each slot's
-        cached prompt (its KV cells) where it fits. Runs on the engine's thread while no
-        sequence decodes."""
+    def _resize(self, n_ctx: int, probe: bool | None = None) -> None:
+        """Open every slot's window at ``n_ctx`` tokens on the same weights (with the eval
+        callback when ``probe``; None: as it is), keeping each slot's cached prompt (its KV
+        cells) where it fits. Runs on the engine's thread while no sequence decodes. The new
+        context has no control vector."""
         import llama_cpp
         llm = self.llm
         saved: dict[int, Any] = {}
@@ -469,10 +653,13 @@ class LlamaEngine:
             buffer = (ctypes.c_uint8 * size)()
             if llama_cpp.llama_state_seq_get_data(llm._ctx.ctx, buffer, size, slot) == size:
                 saved[slot] = buffer
-        fresh = self._new_context(n_ctx)
+        probe = self._probing if probe is None else probe
+        fresh = self._new_context(n_ctx, probe)
         llm._ctx.close()
         llm._ctx = fresh
         llm._n_ctx = fresh.n_ctx()
+        self._probing = probe
+        self._cvec = ()
         for slot, tokens in enumerate(self._slot_tokens):
             buffer = saved.get(slot)
             if buffer is None or not llama_cpp.llama_state_seq_set_data(fresh.ctx, buffer, len(buffer), slot):
@@ -484,15 +671,20 @@ class LlamaEngine:
     # --- the decode loop (on the engine's thread) -----------------------------------------
     def _admit(self, job: spec.Job) -> None:
         request = job.request
+        steer = None
         if request.interventions or request.reads:
-            self._end(job, "error", "The llama.cpp engine does not accept interventions or activation reads: "
-                                    "load the model with the transformers engine to steer it")
-            return
+            try:
+                if not self.capabilities.interventions:
+                    raise ValueError("This model does not accept interventions or activation reads")
+                steer = _Steer(request, self.capabilities.layers, self.capabilities.hidden_size)
+            except ValueError as exc:
+                self._end(job, "error", str(exc))
+                return
         masker, refused = self._constrainer.start(request)
         if refused is not None:
             self._end(job, "error", refused)
             return
-        job.state = _Sequence(masker)
+        job.state = _Sequence(masker, steer)
         self._waiting.append(job)
 
     def _take(self) -> None:
@@ -508,14 +700,29 @@ class LlamaEngine:
             if not free:
                 return
             request = job.request
+            steer: _Steer | None = job.state.steer
+            key, probe = (steer.key, steer.probe) if steer is not None else ((), False)
+            # requests decode together under one control vector; a probe decodes alone
+            if self._running and (probe or self._mode_probe or key != self._mode):
+                return
             wanted = self._window_for(request)
             if wanted is not None:
                 if self._running:  # the window changes between batches: after the running ones end
                     return
                 try:
-                    self._resize(wanted)
+                    self._resize(wanted, probe)
                 except Exception as exc:  # noqa: BLE001 - the window it has still serves
                     log.warning("could not open a context of %d tokens a slot: %s", wanted, exc)
+            if not self._running:
+                try:
+                    if probe != self._probing:
+                        self._resize(self._n_ctx_slot, probe)
+                    self._set_cvec(None if probe else steer)
+                except Exception as exc:  # noqa: BLE001 - this request fails, the context serves on
+                    self._waiting.popleft()
+                    self._end(job, "error", f"llama.cpp could not steer this request: {exc}")
+                    continue
+                self._mode, self._mode_probe = key, probe
             self._waiting.popleft()
             prompt = request.prompt
             if not prompt:
@@ -526,12 +733,15 @@ class LlamaEngine:
                                         f"{self._n_ctx_slot} tokens")
                 continue
             slot, shared = free[0], -1
+            reuse = request.cache_prompt and not (steer is not None and steer.reads)  # a read needs every row
             for candidate in free:
-                n = _shared_prefix(self._slot_tokens[candidate], prompt) if request.cache_prompt else 0
+                n = _shared_prefix(self._slot_tokens[candidate], prompt) \
+                    if reuse and self._slot_key[candidate] == key else 0
                 if n > shared or (n == shared and self._slot_used[candidate] < self._slot_used[slot]):
                     slot, shared = candidate, n
             shared = min(shared, len(prompt) - 1)  # the last prompt token is decoded again for its logits
             self._forget(slot, max(shared, 0))
+            self._slot_key[slot] = key
             seq: _Sequence = job.state
             seq.slot = slot
             seq.feed = list(prompt[len(self._slot_tokens[slot]):])
@@ -558,6 +768,7 @@ class LlamaEngine:
         n = 0
         rows: list[tuple[spec.Job, int]] = []
         fed: list[tuple[spec.Job, int]] = []
+        reader: _Steer | None = None
         for prompting in (False, True):
             for job in self._running:
                 seq: _Sequence = job.state
@@ -568,12 +779,16 @@ class LlamaEngine:
                     break
                 take = seq.feed[:room] if prompting else seq.feed[:1]
                 pos = len(self._slot_tokens[seq.slot])
+                every = False
+                if seq.steer is not None and seq.steer.probe:  # it decodes alone (see _take)
+                    reader = seq.steer
+                    every = reader.every_row
                 for i, token in enumerate(take):
                     batch.token[n] = token
                     batch.pos[n] = pos + i
                     batch.n_seq_id[n] = 1
                     batch.seq_id[n][0] = seq.slot
-                    batch.logits[n] = False
+                    batch.logits[n] = every
                     n += 1
                 fed.append((job, len(take)))
                 if len(take) == len(seq.feed):  # its last token: draw after it
@@ -584,11 +799,18 @@ class LlamaEngine:
                 self._end(job, "error", "The engine had nothing to decode for this request")
             return
         batch.n_tokens = n
-        status = llama_cpp.llama_decode(self.llm._ctx.ctx, batch)
+        self._reader = reader
+        try:
+            status = llama_cpp.llama_decode(self.llm._ctx.ctx, batch)
+        finally:
+            self._reader = None
+        if status == 0 and reader is not None and reader.error:
+            status = reader.error
         if status != 0:
             for job, _ in fed:
                 self._forget(job.state.slot)
-                self._end(job, "error", f"llama.cpp could not decode the batch (status {status})")
+                self._end(job, "error", f"llama.cpp could not decode the batch (status {status})"
+                          if isinstance(status, int) else f"llama.cpp could not steer this request: {status}")
             return
         for job, count in fed:
             seq = job.state
@@ -646,8 +868,10 @@ class LlamaEngine:
                 seq.sampler = None
             n, started = seq.n, seq.started or ended
             first = seq.first or ended
+        activations = seq.steer.activations() if seq is not None and seq.steer is not None else None
         job.emit(spec.Finished(reason=reason, prompt_tokens=len(job.request.prompt), completion_tokens=n,
-                               prompt_seconds=max(0.0, first - started), generate_seconds=ended - first, error=error))
+                               prompt_seconds=max(0.0, first - started), generate_seconds=ended - first, error=error,
+                               activations=activations))
 
     def _abort(self) -> None:
         """After a failed step: every slot empty and free, nothing waiting."""
@@ -655,6 +879,7 @@ class LlamaEngine:
         llama_cpp.llama_memory_clear(self._memory(), True)
         for tokens in self._slot_tokens:
             tokens.clear()
+        self._slot_key = [() for _ in range(self._slots)]
         for job in list(self._running) + list(self._waiting):
             if job.state is not None and job.state.sampler is not None:
                 job.state.sampler.close()
@@ -733,11 +958,13 @@ class LlamaEngine:
         if len(ids) > self._n_ctx_slot:
             self._resize(self._window_for(spec.GenerateRequest(prompt=tuple(ids))) or len(ids))
         slot = min(range(self._slots), key=lambda i: self._slot_used[i])
+        self._set_cvec(None)  # scoring is never steered (the next steered request sets its vector again)
         try:
             row = self._decode_alone(slot, ids)
             return self._logits_row(row).copy()
         finally:
             self._forget(slot)
+            self._slot_key[slot] = ()
 
     async def next_token_logprobs(self, prompt: Sequence[int]) -> list[float]:
         import numpy as np

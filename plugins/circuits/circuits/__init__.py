@@ -277,11 +277,6 @@ class Circuits:
         if named is not None and "messages" not in request:
             raise sdk.LocalmError(400, "circuit cannot be honoured on /v1/completions: per-request steering is "
                                        "served on chat completions", code="field_not_honoured", field="circuit")
-        if model.engine == "llamacpp":
-            if named is not None:
-                raise sdk.LocalmError(400, f"circuit cannot be honoured: the llama.cpp engine cannot steer "
-                                           f"{model.id}", code="field_not_honoured", field="circuit")
-            return  # an active circuit does not steer a GGUF served by llama.cpp (no rung header)
         if named is not None:
             if not isinstance(named, str):
                 raise sdk.LocalmError(400, "circuit must be a string (a circuit's name)", code="invalid_parameter")

@@ -284,9 +284,6 @@ class Steering:
         ask = request[ACTIVATIONS_FIELD]
         if ask is None:
             return
-        if model.engine == "llamacpp":
-            raise sdk.LocalmError(400, f"{ACTIVATIONS_FIELD} cannot be honoured: the llama.cpp engine cannot read "
-                                       f"{model.id}'s activations", code="field_not_honoured", field=ACTIVATIONS_FIELD)
         if not isinstance(ask, dict):
             raise bad("must be an object")
         unknown = sorted(set(ask) - {"sae_id", "features", "top_k", "positions", "read_point"})
@@ -415,11 +412,6 @@ class Steering:
         if present and "messages" not in request:
             raise sdk.LocalmError(400, f"{present[0]} cannot be honoured on /v1/completions: per-request steering is "
                                        "served on chat completions", code="field_not_honoured", field=present[0])
-        if model.engine == "llamacpp":
-            if present:
-                raise sdk.LocalmError(400, f"{present[0]} cannot be honoured: the llama.cpp engine cannot steer "
-                                           f"{model.id}", code="field_not_honoured", field=present[0])
-            return  # live steering applies where the engine can steer; a GGUF served by llama.cpp runs unsteered
         dial = read_dial(request.get("steering_intensity"))
         if self.state.error or self.saes.error:
             if present:

@@ -13,9 +13,6 @@ def forward_interventions(request, model, register):
     if probe is None:
         return
     register.use("probe_delta")
-    if model.engine == "llamacpp":
-        raise sdk.LocalmError(400, "probe_delta cannot be honoured: llama.cpp cannot steer",
-                              code="field_not_honoured", field="probe_delta")
     probes = probe if isinstance(probe, list) else [probe]
     for one in probes:
         register(int(one["layer"]), [float(x) for x in one["delta"]])
