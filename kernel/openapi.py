@@ -5,7 +5,8 @@ message. A route declares its body's model with ``body=`` (an attrs class, a dat
 a msgspec Struct; ``Annotated[..., msgspec.Meta(...)]`` documents bounds, and a class
 attribute ``closed = True`` says that a field the route does not read is refused; or a JSON
 schema as a dict, for a body assembled at run time) and its refusals
-with ``errors={status: "when"}``; this module writes both into /openapi/openapi.json the
+with ``errors={status: "when"}``, and the bounds of its path parameters that it checks itself
+with ``params={name: {"pattern": ..., "maxLength": ...}}``; this module writes both into /openapi/openapi.json the
 first time it is served, so the document is a truthful contract for client generators
 and schema-driven fuzzers.
 """
@@ -71,6 +72,10 @@ def describe(app: "Litestar", schema: dict[str, Any]) -> None:
                 if "Bad request syntax" in str(litestar_400.get("description", "")):
                     del responses["400"]
                     responses["422"] = _error("A parameter or body field failed validation", "Invalid")
+                for parameter in operation.get("parameters", []):
+                    extra = (handler.opt.get("params") or {}).get(parameter.get("name"))
+                    if extra:
+                        parameter["schema"] = {**parameter.get("schema", {}), **extra}
                 body = handler.opt.get("body")
                 errors = dict(handler.opt.get("errors") or {})
                 if body is not None:

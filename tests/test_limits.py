@@ -16,6 +16,7 @@ from conftest import offline_cli
 pytest.importorskip("llama_cpp")
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "Say hi."}]
+COLLECTION = "limits"
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,10 @@ def keyed(module_server: Any) -> Any:
     def prepare(data_dir: Path) -> None:
         owner.append(offline_cli(data_dir, "key", "generate").strip())
 
-    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic"])
-    return s, s.client(owner[0], timeout=120)
+    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic", "rag"])
+    http = s.client(owner[0], timeout=120)
+    assert http.post("/api/rag/collections", json={"name": COLLECTION}).status_code == 200
+    return s, http
 
 
 def nested(depth: int) -> bytes:
@@ -54,6 +57,12 @@ FAILING: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", "/v1/keys", {"name": "many", "scopes": ["config:read"] * 1000}, 400, "limit_exceeded"),
     ("POST", "/v1/keys", {"name": "long", "scopes": ["s" * 100_000]}, 400, "limit_exceeded"),
     ("POST", "/v1/keys", {"name": "roots", "scopes": [], "rag_roots": ["/tmp"] * 1000}, 400, "limit_exceeded"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": QUESTION * 10_001}, 400, "limit_exceeded"),
+    ("POST", "/api/chat", {"model": MODEL, "messages": QUESTION * 10_001, "stream": False}, 400, None),
+    ("POST", "/v1/messages", {"model": MODEL, "max_tokens": 3, "messages": QUESTION * 10_001}, 400, None),
+    # found by tests/test_fuzz.py: a NUL in a path was a 500 (ValueError from realpath)
+    ("POST", f"/api/rag/collections/{COLLECTION}/remove-doc", {"path": "a\x00b"}, 404, "doc_not_found"),
+    ("POST", f"/api/rag/collections/{COLLECTION}/add", {"paths": ["/tmp/a\x00b"]}, 400, "invalid_path"),
 ]
 
 
@@ -187,6 +196,28 @@ def test_key_mint_limits(keyed: Any, body: dict[str, Any], field: str) -> None:
     ok = http.post("/v1/keys", json={"name": "n" * 200, "scopes": ["config:read"] * 64})
     assert ok.status_code == 200 and ok.json()["scopes"] == ["config:read"]
     http.delete(f"/v1/keys/{ok.json()['id']}")
+
+
+def test_messages_past_the_limit_are_refused_and_at_the_limit_read(keyed: Any) -> None:
+    _, http = keyed
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION * 10_001, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "limit_exceeded" and error["param"] == "messages"
+    assert error["message"] == "messages holds 10001 items; at most 10000 are accepted"
+    # 10,000 short turns are read (and then refused for the window, not for their number)
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION * 10_000, "max_tokens": 1})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    still_serving(http)
+
+
+def test_a_nul_in_a_rag_path_is_a_4xx(keyed: Any) -> None:
+    _, http = keyed
+    r = http.post(f"/api/rag/collections/{COLLECTION}/remove-doc", json={"path": "/tmp/x\x00y"})
+    assert r.status_code == 404 and r.json()["code"] == "doc_not_found", r.text
+    r = http.post(f"/api/rag/collections/{COLLECTION}/add", json={"paths": ["/tmp/x\x00y"]})
+    assert r.status_code == 400 and r.json() == {"detail": "A path cannot hold a NUL character",
+                                                 "code": "invalid_path"}, r.text
 
 
 def test_clean_shutdown_after_every_failing_input(keyed: Any) -> None:
