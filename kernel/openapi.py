@@ -5,7 +5,8 @@ message. A route declares its body's model with ``body=`` (an attrs class, a dat
 a msgspec Struct; ``Annotated[..., msgspec.Meta(...)]`` documents bounds, and a class
 attribute ``closed = True`` says that a field the route does not read is refused; or a JSON
 schema as a dict, for a body assembled at run time) and its refusals
-with ``errors={status: "when"}``, and the bounds of its path parameters that it checks itself
+with ``errors={status: "when"}`` (``None``: a status the route never answers, such as a
+413 its error family renders as a 400), and the bounds of its path parameters that it checks itself
 with ``params={name: {"pattern": ..., "maxLength": ...}}``; this module writes both into /openapi/openapi.json the
 first time it is served, so the document is a truthful contract for client generators
 and schema-driven fuzzers.
@@ -84,7 +85,10 @@ def describe(app: "Litestar", schema: dict[str, Any]) -> None:
                     found.append((operation, handler.opt, method in ("POST", "PUT", "PATCH")))
                     errors = {**LIMITS, **COMMON, **errors}
                 for status, why in sorted(errors.items()):
-                    responses.setdefault(str(status), _error(why))
+                    if why is None:  # never answered here (a route family that renders it as another status)
+                        responses.pop(str(status), None)
+                    else:
+                        responses.setdefault(str(status), _error(why))
     unique = list(dict.fromkeys(models))
     refs, defined = msgspec.json.schema_components(unique, ref_template=REF) if unique else ((), {})
     by_model = dict(zip(unique, refs))

@@ -35,7 +35,7 @@ def _opt(scope: Any, access: str, error_family: str | None, opt: dict[str, Any] 
     if access not in ACCESS:
         raise ValueError(f"access must be one of {ACCESS}")
     out = dict(opt or {})
-    for key in ("body", "body_required", "errors", "params"):
+    for key in ("body", "body_required", "errors", "params", "expensive"):
         if key in kwargs:
             out[key] = kwargs.pop(key)
     if scope is not _UNSET:

@@ -157,6 +157,33 @@ def test_the_limits_are_settings(keyed: Any) -> None:
     assert send(http, "POST", "/v1/embeddings", nested(25)).status_code == 422  # read, then refused as before
 
 
+def test_expensive_requests_per_minute_is_a_429_per_key(keyed: Any) -> None:
+    s, http = keyed
+    minted = http.post("/v1/keys", json={"name": "rate", "scopes": ["models:read"]}).json()
+    key = s.client(minted["key"], timeout=120)
+    second = http.post("/v1/keys", json={"name": "rate2", "scopes": ["models:read"]}).json()
+    other = s.client(second["key"], timeout=120)
+    empty = {"model": MODEL, "input": []}  # refused before any engine runs: counted all the same
+    assert http.patch("/v1/config", json={"expensive_requests_per_minute": 2}).status_code == 200
+    try:
+        assert [key.post("/v1/embeddings", json=empty).status_code for _ in range(2)] == [400, 400]
+        r = key.post("/v1/embeddings", json=empty)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "rate_limited" and r.json()["error"]["type"] == "rate_limit_error"
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
+        assert "may start 2 a minute" in r.json()["error"]["message"]
+        r = key.post("/api/chat", json={"model": MODEL, "messages": QUESTION, "stream": False})
+        assert r.status_code == 429 and "Too many expensive requests" in r.json()["error"], r.text  # Ollama's shape
+        assert key.get("/v1/models").status_code == 200  # a route that runs no model is not counted
+        assert other.post("/v1/embeddings", json=empty).status_code == 400  # each key has its own budget
+        assert http.post("/v1/embeddings", json=empty).status_code == 400  # and the owner too
+    finally:
+        assert http.patch("/v1/config", json={"expensive_requests_per_minute": None}).status_code == 200
+    assert key.post("/v1/embeddings", json=empty).status_code == 400  # 0: no limit
+    for k in (minted, second):
+        http.delete(f"/v1/keys/{k['id']}")
+
+
 def test_load_reads_the_model_from_the_body_too(keyed: Any) -> None:
     _, http = keyed
     r = http.post("/v1/models/load", json={"model": "nope"})

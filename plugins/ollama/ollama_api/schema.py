@@ -138,5 +138,7 @@ class OllamaCopyRequest(sdk.Struct, kw_only=True):
 
 GENERATION_ERRORS = {400: "A field of the wrong type or value, a model that cannot think, a prompt past the model's "
                           "window, a body over max_body_bytes (Ollama answers 400 where others answer 413 or 422)",
-                     404: "An unknown model", 503: "No model can be loaded, or the model is busy"}
-MODEL_ERRORS = {400: "No model named, or a field of the wrong type", 404: "An unknown model"}
+                     404: "An unknown model", 503: "No model can be loaded, or the model is busy",
+                     413: None, 422: None}  # Ollama's shape answers those as a 400
+MODEL_ERRORS = {400: "No model named, a field of the wrong type, or a body over max_body_bytes",
+                404: "An unknown model", 413: None, 422: None}  # Ollama's shape answers those as a 400
