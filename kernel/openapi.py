@@ -41,6 +41,7 @@ INVALID = {"type": "object", "title": "Invalid",
 #: What every route may answer, whatever it declares.
 COMMON = {413: "The body is larger than max_body_bytes (or the route's own limit)"}
 LIMITS = {400: "A JSON body nested deeper than max_json_depth"}
+RATE = "More inference requests this minute than expensive_requests_per_minute allows (rate_limited, Retry-After)"
 
 
 def _error(description: str, ref: str = "Error") -> dict[str, Any]:
@@ -79,6 +80,8 @@ def describe(app: "Litestar", schema: dict[str, Any]) -> None:
                         parameter["schema"] = {**parameter.get("schema", {}), **extra}
                 body = handler.opt.get("body")
                 errors = dict(handler.opt.get("errors") or {})
+                if handler.opt.get("expensive", handler.opt.get("access") == "inference"):
+                    errors.setdefault(429, RATE)
                 if body is not None:
                     if not isinstance(body, dict):  # a dict is a JSON schema already
                         models.append(body)

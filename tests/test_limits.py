@@ -184,6 +184,24 @@ def test_expensive_requests_per_minute_is_a_429_per_key(keyed: Any) -> None:
         http.delete(f"/v1/keys/{k['id']}")
 
 
+def test_the_openapi_document_describes_the_plugins_bodies_and_bounds(keyed: Any) -> None:
+    _, http = keyed
+    doc = http.get("/openapi/openapi.json").json()
+    paths, components = doc["paths"], doc["components"]["schemas"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/api/chat",
+                 "/api/generate", "/api/embed", "/api/show", "/v1/messages", "/v1/messages/count_tokens",
+                 "/api/rag/collections/{name}/query"):
+        assert "requestBody" in paths[path]["post"], path
+    chat = components["ChatCompletionRequest"]
+    assert "messages" in chat["required"]
+    assert chat["properties"]["messages"]["maxItems"] == 10_000
+    assert chat["properties"]["top_logprobs"]["anyOf"][0]["maximum"] == 20
+    assert "429" in paths["/v1/chat/completions"]["post"]["responses"]
+    assert "413" not in paths["/api/chat"]["post"]["responses"]  # Ollama answers it as a 400
+    name = paths["/api/rag/collections/{name}"]["get"]["parameters"][0]
+    assert name["schema"]["pattern"] == "^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+
+
 def test_load_reads_the_model_from_the_body_too(keyed: Any) -> None:
     _, http = keyed
     r = http.post("/v1/models/load", json={"model": "nope"})
