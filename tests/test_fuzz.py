@@ -36,7 +36,7 @@ from schemathesis.generation import GenerationMode  # noqa: E402
 
 EXAMPLES = 100  # per kernel operation and mode (valid data, then invalid data)
 PLUGIN_EXAMPLES = 60  # per plugin operation and mode
-MODEL_EXAMPLES = 15  # per operation and mode that runs the model (generates or embeds)
+MODEL_EXAMPLES = 8  # per operation and mode that runs the model (generates or embeds)
 MAX_REPLY = 3
 MAX_TEXT = 40  # characters in a generated string of a plugin body
 MAX_ITEMS = 3  # items in a generated list of a plugin body
@@ -63,7 +63,7 @@ RUNS_THE_MODEL = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
                   ("POST", "/api/generate"), ("POST", "/v1/messages"), ("POST", "/v1/responses"),
                   ("POST", "/v1/embeddings"), ("POST", "/api/embed"), ("POST", "/api/embeddings")}
 #: The least number of 2xx answers each plugin's routes must get (about half what a run gets).
-PLUGIN_2XX_FLOOR = {"chat": 40, "ollama": 60, "anthropic": 20, "responses": 10, "rag": 60, "memory": 40}
+PLUGIN_2XX_FLOOR = {"chat": 10, "ollama": 30, "anthropic": 15, "responses": 2, "rag": 50, "memory": 50}
 PLUGIN_CASES_FLOOR = 2000
 
 
@@ -190,6 +190,7 @@ def fuzz(s: Any, owner: str, doc: dict[str, Any], keep: Callable[[str, str], boo
     operations.sort(key=lambda op: (op.method.upper(), op.path) in LAST)
     counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     errors: list[str] = []
+    slow: list[tuple[float, int, str]] = []
 
     for op, mode in [(op, mode) for op in operations for mode in GenerationMode]:
         key = (op.method.upper(), op.path)
@@ -209,6 +210,8 @@ def fuzz(s: Any, owner: str, doc: dict[str, Any], keep: Callable[[str, str], boo
             status = response.status_code
             counts[group(op.path)]["cases"] += 1
             counts[group(op.path)]["ms"] += int(response.elapsed.total_seconds() * 1000)
+            slow.append((response.elapsed.total_seconds(), status, f"{case.method} {case.formatted_path} "
+                                                                  f"{str(case.body)[:160]}"))
             counts[group(op.path)][f"{status // 100}xx"] += 1
             if status >= 500 and not (status == 501 and key in NOT_IMPLEMENTED):
                 errors.append(f"{status} {case.method} {case.formatted_path} query={case.query!r} "
@@ -219,6 +222,8 @@ def fuzz(s: Any, owner: str, doc: dict[str, Any], keep: Callable[[str, str], boo
         except Unsatisfiable:  # nothing in this operation can be made invalid (it takes no input)
             pass
         print(f"  {mode.value:8} {key[0]:6} {key[1]:45} {time.monotonic() - began:5.1f}s", flush=True)
+    for seconds, status, what in sorted(slow, reverse=True)[:8]:
+        print(f"  slowest: {seconds:5.2f}s {status} {what}")
     return counts, errors, len(operations)
 
 

@@ -18,9 +18,9 @@ from .request import EFFORTS, MAX_MESSAGES, MAX_NUM_CTX, MAX_STOP_CHARS, MAX_STO
 
 Meta = sdk.Meta
 
-#: A reply cap: at least 1 (the model's window bounds it: past the window is a 413 context_length_exceeded).
-MaxTokens = Annotated[int, Meta(ge=1, description="The reply cap, in tokens (at least 1; the prompt and the cap "
-                                                  "must fit the model's window, or 413 context_length_exceeded)")]
+#: A reply cap: at least 1 (the model's window bounds the reply too: finish_reason "length").
+MaxTokens = Annotated[int, Meta(ge=1, description="The reply cap, in tokens (at least 1; the reply also ends "
+                                                  "where the model's window is full)")]
 Stop = Union[Annotated[str, Meta(max_length=MAX_STOP_CHARS)],
              Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_CHARS)]], Meta(max_length=MAX_STOPS)]]
 ModelName = Annotated[str, Meta(description="A registered model, alias or capability route (left out: the active "
@@ -209,7 +209,7 @@ class RerankRequest(sdk.Struct, kw_only=True):
 GENERATION_ERRORS = {
     400: "A field out of range or that cannot be honoured (field_not_honoured, invalid_tools, invalid_grammar, "
          "response_format_unsupported, limit_exceeded, ...)",
-    413: "The prompt and max_tokens do not fit the model's window (context_length_exceeded), or a body over "
+    413: "The prompt leaves no room for a reply in the model's window (context_length_exceeded), or a body over "
          "max_body_bytes",
     404: "An unknown model (model_not_found)",
     422: "A field of the wrong type (each one named in errors)",
