@@ -26,7 +26,7 @@ def keyed(module_server: Any) -> Any:
     def prepare(data_dir: Path) -> None:
         owner.append(offline_cli(data_dir, "key", "generate").strip())
 
-    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic", "rag"])
+    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic", "responses", "rag"])
     http = s.client(owner[0], timeout=120)
     assert http.post("/api/rag/collections", json={"name": COLLECTION}).status_code == 200
     return s, http
@@ -60,6 +60,8 @@ FAILING: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", "/v1/chat/completions", {"model": MODEL, "messages": QUESTION * 10_001}, 400, "limit_exceeded"),
     ("POST", "/api/chat", {"model": MODEL, "messages": QUESTION * 10_001, "stream": False}, 400, None),
     ("POST", "/v1/messages", {"model": MODEL, "max_tokens": 3, "messages": QUESTION * 10_001}, 400, None),
+    ("POST", "/v1/messages/count_tokens", {"model": MODEL, "messages": QUESTION * 10_001}, 400, None),
+    ("POST", "/v1/responses", {"model": MODEL, "input": QUESTION * 10_001}, 400, "limit_exceeded"),
     # found by tests/test_fuzz.py: a NUL in a path was a 500 (ValueError from realpath)
     ("POST", f"/api/rag/collections/{COLLECTION}/remove-doc", {"path": "a\x00b"}, 404, "doc_not_found"),
     ("POST", f"/api/rag/collections/{COLLECTION}/add", {"paths": ["/tmp/a\x00b"]}, 400, "invalid_path"),

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal, Union
 
 from localm import sdk
 
+from .translate import MAX_MESSAGES
+
 Meta = sdk.Meta
 
 
@@ -93,7 +95,7 @@ class AnthropicOutputConfig(sdk.Struct, kw_only=True):
 
 
 class _Messages(sdk.Struct, kw_only=True):
-    messages: Annotated[list[AnthropicMessage], Meta(min_length=1, max_length=10_000)]
+    messages: Annotated[list[AnthropicMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
     model: str | None = None
     system: Union[str, list[AnthropicText], None] = None
     stop_sequences: Annotated[list[Annotated[str, Meta(max_length=1024)]], Meta(max_length=16)] | None = None

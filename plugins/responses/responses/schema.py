@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Union
 
 from localm import sdk
 
-from .request import INCLUDE_NO_EFFECT, LOGPROBS
+from .request import INCLUDE_NO_EFFECT, LOGPROBS, MAX_ITEMS
 
 Meta = sdk.Meta
 
@@ -92,7 +92,7 @@ class ResponsesRequest(sdk.Struct, kw_only=True):
     """POST /v1/responses: input (or previous_response_id) is required. An input item with a role
     and no type is a message."""
 
-    input: Union[Annotated[str, Meta(min_length=1)], Annotated[list[InputItem], Meta(max_length=10_000)], None] \
+    input: Union[Annotated[str, Meta(min_length=1)], Annotated[list[InputItem], Meta(max_length=MAX_ITEMS)], None] \
         = None
     model: str | None = None
     instructions: str | None = None
