@@ -12,8 +12,12 @@ that stops describing its bodies (and so stops reaching the handlers) fails.
 The plugins' run narrows a copy of the document, never the server's: reply caps (max_tokens
 and its other names) at most MAX_REPLY so a generation stays short on two CPU cores; no
 num_ctx or keep_alive (a new window or an unload after every reply would make each case a
-model reload); model names a registered model, a collection name the one prepared here, and
-the paths to index a small folder prepared here.
+model reload); strings of at most MAX_TEXT characters, lists of at most MAX_ITEMS items and
+no fields beyond the documented ones, so a prompt stays a few dozen tokens; model names a
+registered model, a collection name the one prepared here, and the paths to index a small
+folder prepared here; no previous_response_id (a stored id is never guessed). Invalid data
+is generated from that narrowed copy too. The routes that run the model get MODEL_EXAMPLES
+cases a mode, the others PLUGIN_EXAMPLES.
 """
 
 from __future__ import annotations
