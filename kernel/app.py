@@ -23,7 +23,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import ScalarRenderPlugin
 from litestar.routes import HTTPRoute
 
-from . import __version__
+from . import __version__, limits
 from .auth import ANONYMOUS, OPEN, Principal
 from .errors import LocalmError
 from .limits import LimitedRequest, too_large
@@ -86,6 +86,8 @@ class Guard:
     def __init__(self, kernel: "Kernel", policy: dict[tuple[str, str], dict[str, Any]]) -> None:
         self.kernel = kernel
         self.policy = policy
+        self.rates: limits.RateLimiter = getattr(kernel, "rates", None) or limits.RateLimiter()
+        kernel.rates = self.rates  # one count across app rebuilds (a plugin enabled or disabled)
 
     def __call__(self, app: Any) -> Any:
         async def guard(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -115,7 +117,13 @@ class Guard:
                                        "(the owner can add it to cors_origins)")
         if preflight:
             return True
-        scope["localm_principal"] = self.identify(scope, opt, method, cross_ok=not cross or "localm_cors" in scope)
+        principal = self.identify(scope, opt, method, cross_ok=not cross or "localm_cors" in scope)
+        scope["localm_principal"] = principal
+        if opt.get("expensive", access == "inference"):
+            per_minute = int(self.kernel.config.get("expensive_requests_per_minute") or 0)
+            if per_minute:
+                client = scope.get("client")
+                self.rates.check(limits.caller_id(principal, client[0] if client else None), per_minute)
         return False
 
     @staticmethod

@@ -49,6 +49,10 @@ class KernelSettings:
     max_json_depth: int = setting(limits.MAX_JSON_DEPTH, min=2, max=10000, owner_only=True,
                                   description="How deeply a JSON request body may nest arrays and objects "
                                               "(a 400 past it)")
+    expensive_requests_per_minute: int = setting(limits.EXPENSIVE_PER_MINUTE, min=0, owner_only=True,
+                                                 description="How many inference requests (generation, embeddings, "
+                                                             "reranking, token counts) each key may start a minute "
+                                                             "(a 429 with Retry-After past it; 0: no limit)")
 
 
 KERNEL_FIELDS: dict[str, FieldSpec] = {f.key: f for f in fields_of(KernelSettings)}

@@ -9,7 +9,11 @@ routes and every plugin's alike. Routes check their own fields' sizes with
 
 from __future__ import annotations
 
+import math
 import re
+import threading
+import time
+from collections import deque
 from itertools import accumulate
 from typing import Any
 
@@ -79,6 +83,51 @@ def too_large(limit: int | None) -> LocalmError:
     return LocalmError(413, f"The request body is too large: this route accepts {bound} "
                             "(the max_body_bytes setting, or the route's own limit)",
                        code="body_too_large", limit=limit)
+
+
+#: Default of the kernel setting expensive_requests_per_minute (0: no limit).
+EXPENSIVE_PER_MINUTE = 0
+RATE_CODE = "rate_limited"
+
+
+class RateLimiter:
+    """How many expensive requests (the inference routes: generation, embeddings, reranking,
+    token counts) each caller started in the last minute; past the limit a 429 with
+    Retry-After. A scoped key is counted by its id, the owner key and the attach token as
+    one caller, and in open mode each client address is a caller of its own."""
+
+    WINDOW = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, deque[float]] = {}
+
+    def check(self, who: str, per_minute: int, now: float | None = None) -> None:
+        if per_minute <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            times = self._seen.setdefault(who, deque())
+            while times and times[0] <= now - self.WINDOW:
+                times.popleft()
+            if len(times) >= per_minute:
+                wait = max(1, math.ceil(times[0] + self.WINDOW - now))
+                raise LocalmError(429, f"Too many expensive requests: this caller may start {per_minute} a minute "
+                                       f"(the expensive_requests_per_minute setting); retry in {wait} s",
+                                  code=RATE_CODE, headers={"Retry-After": str(wait)}, limit=per_minute)
+            times.append(now)
+            if len(self._seen) > 10_000:  # callers gone quiet are forgotten
+                for key in [k for k, v in self._seen.items() if not v or v[-1] <= now - self.WINDOW]:
+                    del self._seen[key]
+
+
+def caller_id(principal: Any, client: str | None) -> str:
+    """Whom a rate limit counts: a key by its id, the owner as one, an open-mode caller by address."""
+    if principal.key_id:
+        return f"key:{principal.key_id}"
+    if principal.kind in ("owner", "attach"):
+        return "owner"
+    return f"{principal.kind}:{client or '-'}"
 
 
 class LimitedRequest(Request):

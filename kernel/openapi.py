@@ -5,7 +5,9 @@ message. A route declares its body's model with ``body=`` (an attrs class, a dat
 a msgspec Struct; ``Annotated[..., msgspec.Meta(...)]`` documents bounds, and a class
 attribute ``closed = True`` says that a field the route does not read is refused; or a JSON
 schema as a dict, for a body assembled at run time) and its refusals
-with ``errors={status: "when"}``; this module writes both into /openapi/openapi.json the
+with ``errors={status: "when"}`` (``None``: a status the route never answers, such as a
+413 its error family renders as a 400), and the bounds of its path parameters that it checks itself
+with ``params={name: {"pattern": ..., "maxLength": ...}}``; this module writes both into /openapi/openapi.json the
 first time it is served, so the document is a truthful contract for client generators
 and schema-driven fuzzers.
 """
@@ -39,6 +41,7 @@ INVALID = {"type": "object", "title": "Invalid",
 #: What every route may answer, whatever it declares.
 COMMON = {413: "The body is larger than max_body_bytes (or the route's own limit)"}
 LIMITS = {400: "A JSON body nested deeper than max_json_depth"}
+RATE = "More inference requests this minute than expensive_requests_per_minute allows (rate_limited, Retry-After)"
 
 
 def _error(description: str, ref: str = "Error") -> dict[str, Any]:
@@ -71,15 +74,24 @@ def describe(app: "Litestar", schema: dict[str, Any]) -> None:
                 if "Bad request syntax" in str(litestar_400.get("description", "")):
                     del responses["400"]
                     responses["422"] = _error("A parameter or body field failed validation", "Invalid")
+                for parameter in operation.get("parameters", []):
+                    extra = (handler.opt.get("params") or {}).get(parameter.get("name"))
+                    if extra:
+                        parameter["schema"] = {**parameter.get("schema", {}), **extra}
                 body = handler.opt.get("body")
                 errors = dict(handler.opt.get("errors") or {})
+                if handler.opt.get("expensive", handler.opt.get("access") == "inference"):
+                    errors.setdefault(429, RATE)
                 if body is not None:
                     if not isinstance(body, dict):  # a dict is a JSON schema already
                         models.append(body)
                     found.append((operation, handler.opt, method in ("POST", "PUT", "PATCH")))
                     errors = {**LIMITS, **COMMON, **errors}
                 for status, why in sorted(errors.items()):
-                    responses.setdefault(str(status), _error(why))
+                    if why is None:  # never answered here (a route family that renders it as another status)
+                        responses.pop(str(status), None)
+                    else:
+                        responses.setdefault(str(status), _error(why))
     unique = list(dict.fromkeys(models))
     refs, defined = msgspec.json.schema_components(unique, ref_template=REF) if unique else ((), {})
     by_model = dict(zip(unique, refs))

@@ -13,8 +13,10 @@ Every route says who may call it, in its ``opt``:
 - ``error_family``: which renderer shapes its errors (``"openai"``, ``"ollama"``, ...).
 
 And what the OpenAPI document says of it (kernel/openapi.py): ``body`` (the model of the
-JSON body the route reads itself; ``body_required=False`` when it may be left out) and
-``errors`` (``{status: "when it is answered"}``).
+JSON body the route reads itself; ``body_required=False`` when it may be left out),
+``errors`` (``{status: "when it is answered"}``) and ``params`` (JSON schema keywords a
+path or query parameter's schema gains, such as ``{"name": {"pattern": "...", "maxLength":
+63}}``: the bounds the route checks itself, with its own status and message).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def _opt(scope: Any, access: str, error_family: str | None, opt: dict[str, Any] 
     if access not in ACCESS:
         raise ValueError(f"access must be one of {ACCESS}")
     out = dict(opt or {})
-    for key in ("body", "body_required", "errors"):
+    for key in ("body", "body_required", "errors", "params", "expensive"):
         if key in kwargs:
             out[key] = kwargs.pop(key)
     if scope is not _UNSET:

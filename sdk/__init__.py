@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from litestar import Request, Response, Router
 from litestar.response import Stream
+from msgspec import Meta, Struct
 
 from localm.kernel.app import principal_of as caller
 from localm.kernel.auth import Principal
@@ -54,6 +55,8 @@ __all__ = [
     # routes
     "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "EventStream", "sse",
     "caller", "Principal", "host_of", "plugin_of",
+    # request bodies for the OpenAPI document (body=, errors= on a route)
+    "Meta", "Struct",
     # errors
     "LocalmError",
     # settings

@@ -16,6 +16,7 @@ from conftest import offline_cli
 pytest.importorskip("llama_cpp")
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "Say hi."}]
+COLLECTION = "limits"
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,10 @@ def keyed(module_server: Any) -> Any:
     def prepare(data_dir: Path) -> None:
         owner.append(offline_cli(data_dir, "key", "generate").strip())
 
-    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic"])
-    return s, s.client(owner[0], timeout=120)
+    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic", "responses", "rag"])
+    http = s.client(owner[0], timeout=120)
+    assert http.post("/api/rag/collections", json={"name": COLLECTION}).status_code == 200
+    return s, http
 
 
 def nested(depth: int) -> bytes:
@@ -54,6 +57,14 @@ FAILING: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", "/v1/keys", {"name": "many", "scopes": ["config:read"] * 1000}, 400, "limit_exceeded"),
     ("POST", "/v1/keys", {"name": "long", "scopes": ["s" * 100_000]}, 400, "limit_exceeded"),
     ("POST", "/v1/keys", {"name": "roots", "scopes": [], "rag_roots": ["/tmp"] * 1000}, 400, "limit_exceeded"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": QUESTION * 10_001}, 400, "limit_exceeded"),
+    ("POST", "/api/chat", {"model": MODEL, "messages": QUESTION * 10_001, "stream": False}, 400, None),
+    ("POST", "/v1/messages", {"model": MODEL, "max_tokens": 3, "messages": QUESTION * 10_001}, 400, None),
+    ("POST", "/v1/messages/count_tokens", {"model": MODEL, "messages": QUESTION * 10_001}, 400, None),
+    ("POST", "/v1/responses", {"model": MODEL, "input": QUESTION * 10_001}, 400, "limit_exceeded"),
+    # found by tests/test_fuzz.py: a NUL in a path was a 500 (ValueError from realpath)
+    ("POST", f"/api/rag/collections/{COLLECTION}/remove-doc", {"path": "a\x00b"}, 404, "doc_not_found"),
+    ("POST", f"/api/rag/collections/{COLLECTION}/add", {"paths": ["/tmp/a\x00b"]}, 400, "invalid_path"),
 ]
 
 
@@ -148,6 +159,51 @@ def test_the_limits_are_settings(keyed: Any) -> None:
     assert send(http, "POST", "/v1/embeddings", nested(25)).status_code == 422  # read, then refused as before
 
 
+def test_expensive_requests_per_minute_is_a_429_per_key(keyed: Any) -> None:
+    s, http = keyed
+    minted = http.post("/v1/keys", json={"name": "rate", "scopes": ["models:read"]}).json()
+    key = s.client(minted["key"], timeout=120)
+    second = http.post("/v1/keys", json={"name": "rate2", "scopes": ["models:read"]}).json()
+    other = s.client(second["key"], timeout=120)
+    empty = {"model": MODEL, "input": []}  # refused before any engine runs: counted all the same
+    assert http.patch("/v1/config", json={"expensive_requests_per_minute": 2}).status_code == 200
+    try:
+        assert [key.post("/v1/embeddings", json=empty).status_code for _ in range(2)] == [400, 400]
+        r = key.post("/v1/embeddings", json=empty)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "rate_limited" and r.json()["error"]["type"] == "rate_limit_error"
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
+        assert "may start 2 a minute" in r.json()["error"]["message"]
+        r = key.post("/api/chat", json={"model": MODEL, "messages": QUESTION, "stream": False})
+        assert r.status_code == 429 and "Too many expensive requests" in r.json()["error"], r.text  # Ollama's shape
+        assert key.get("/v1/models").status_code == 200  # a route that runs no model is not counted
+        assert other.post("/v1/embeddings", json=empty).status_code == 400  # each key has its own budget
+        assert http.post("/v1/embeddings", json=empty).status_code == 400  # and the owner too
+    finally:
+        assert http.patch("/v1/config", json={"expensive_requests_per_minute": None}).status_code == 200
+    assert key.post("/v1/embeddings", json=empty).status_code == 400  # 0: no limit
+    for k in (minted, second):
+        http.delete(f"/v1/keys/{k['id']}")
+
+
+def test_the_openapi_document_describes_the_plugins_bodies_and_bounds(keyed: Any) -> None:
+    _, http = keyed
+    doc = http.get("/openapi/openapi.json").json()
+    paths, components = doc["paths"], doc["components"]["schemas"]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/api/chat",
+                 "/api/generate", "/api/embed", "/api/show", "/v1/messages", "/v1/messages/count_tokens",
+                 "/api/rag/collections/{name}/query"):
+        assert "requestBody" in paths[path]["post"], path
+    chat = components["ChatCompletionRequest"]
+    assert "messages" in chat["required"]
+    assert chat["properties"]["messages"]["maxItems"] == 10_000
+    assert chat["properties"]["top_logprobs"]["anyOf"][0]["maximum"] == 20
+    assert "429" in paths["/v1/chat/completions"]["post"]["responses"]
+    assert "413" not in paths["/api/chat"]["post"]["responses"]  # Ollama answers it as a 400
+    name = paths["/api/rag/collections/{name}"]["get"]["parameters"][0]
+    assert name["schema"]["pattern"] == "^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+
+
 def test_load_reads_the_model_from_the_body_too(keyed: Any) -> None:
     _, http = keyed
     r = http.post("/v1/models/load", json={"model": "nope"})
@@ -187,6 +243,30 @@ def test_key_mint_limits(keyed: Any, body: dict[str, Any], field: str) -> None:
     ok = http.post("/v1/keys", json={"name": "n" * 200, "scopes": ["config:read"] * 64})
     assert ok.status_code == 200 and ok.json()["scopes"] == ["config:read"]
     http.delete(f"/v1/keys/{ok.json()['id']}")
+
+
+def test_messages_past_the_limit_are_refused_and_at_the_limit_read(keyed: Any) -> None:
+    _, http = keyed
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION * 10_001, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "limit_exceeded" and error["param"] == "messages"
+    assert error["message"] == "messages holds 10001 items; at most 10000 are accepted"
+    # 10,000 are read: the refusal is then for a field read after them (a conversation that long
+    # would be compacted, a summary generated at a time: minutes on this machine)
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION * 10_000, "max_tokens": 1,
+                                                "logprobs": True, "top_logprobs": 99})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    still_serving(http)
+
+
+def test_a_nul_in_a_rag_path_is_a_4xx(keyed: Any) -> None:
+    _, http = keyed
+    r = http.post(f"/api/rag/collections/{COLLECTION}/remove-doc", json={"path": "/tmp/x\x00y"})
+    assert r.status_code == 404 and r.json()["code"] == "doc_not_found", r.text
+    r = http.post(f"/api/rag/collections/{COLLECTION}/add", json={"paths": ["/tmp/x\x00y"]})
+    assert r.status_code == 400 and r.json() == {"detail": "A path cannot hold a NUL character",
+                                                 "code": "invalid_path"}, r.text
 
 
 def test_clean_shutdown_after_every_failing_input(keyed: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from localm import sdk
 
-from . import render
+from . import render, schema
 from .translate import to_chat_body, unread
 
 ROUTE = "anthropic"
@@ -31,7 +31,7 @@ async def _body(request: sdk.Request) -> Any:
 
 
 @sdk.post("/v1/messages", scope=None, access="inference", error_family="anthropic", opt=OPT,
-          summary="Anthropic Messages")
+          summary="Anthropic Messages", body=schema.AnthropicMessagesRequest, errors=schema.ERRORS)
 async def messages(request: sdk.Request) -> Any:
     received = time.perf_counter()
     chat = sdk.host_of(request).service("chat")
@@ -51,7 +51,7 @@ async def messages(request: sdk.Request) -> Any:
 
 
 @sdk.post("/v1/messages/count_tokens", scope=None, access="inference", error_family="anthropic", opt=OPT,
-          summary="Anthropic token count")
+          summary="Anthropic token count", body=schema.AnthropicCountRequest, errors=schema.ERRORS)
 async def count_tokens(request: sdk.Request) -> dict[str, int]:
     chat = sdk.host_of(request).service("chat")
     raw = await _body(request)

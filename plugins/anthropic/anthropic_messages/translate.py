@@ -26,6 +26,8 @@ READ = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperat
 LOCALM = ("cache_prompt", "seed", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 THINKING_ON = ("enabled", "adaptive", "between_tools")
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+#: The most messages a request may hold (the chat plugin's bound, counted before turns are joined).
+MAX_MESSAGES = 10_000
 
 
 def bad(message: str) -> sdk.LocalmError:
@@ -103,6 +105,8 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     """User and assistant turns; consecutive turns of one role are joined into one turn."""
     if not isinstance(raw, list) or not raw:
         raise bad("messages: must be a non-empty list of messages")
+    if len(raw) > MAX_MESSAGES:  # counted as sent: turns of one role are joined below
+        raise bad(f"messages: holds {len(raw)} items; at most {MAX_MESSAGES} are accepted")
     turns: list[tuple[str, list[tuple[str, Any]]]] = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):

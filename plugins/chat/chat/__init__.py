@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 from localm import sdk
 
-from . import fields, pipeline, scoring
+from . import fields, pipeline, schema, scoring
 from .request import Reader
 from .rerank import rerank_route
 from .service import ChatService, fingerprint  # noqa: F401  (scoring reads fingerprint from the package)
@@ -79,7 +79,7 @@ def _text_logprobs(entries: list[dict[str, Any]], offset: int, token_ids: bool) 
 # --- chat completions ------------------------------------------------------------------
 
 @sdk.post("/v1/chat/completions", scope=None, access="inference", error_family="openai",
-          summary="OpenAI chat completions")
+          summary="OpenAI chat completions", body=schema.ChatCompletionRequest, errors=schema.GENERATION_ERRORS)
 async def chat_completions(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
@@ -158,7 +158,7 @@ async def chat_completions(request: sdk.Request) -> Any:
 # --- text completions ------------------------------------------------------------------
 
 @sdk.post("/v1/completions", scope=None, access="inference", error_family="openai",
-          summary="OpenAI text completions")
+          summary="OpenAI text completions", body=schema.CompletionRequest, errors=schema.GENERATION_ERRORS)
 async def completions(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
@@ -226,7 +226,8 @@ async def completions(request: sdk.Request) -> Any:
 
 # --- embeddings --------------------------------------------------------------------------
 
-@sdk.post("/v1/embeddings", scope=None, access="inference", error_family="openai", summary="OpenAI embeddings")
+@sdk.post("/v1/embeddings", scope=None, access="inference", error_family="openai", summary="OpenAI embeddings",
+          body=schema.EmbeddingRequest, errors=schema.EMBEDDING_ERRORS)
 async def embeddings(request: sdk.Request) -> sdk.Response:
     host = sdk.host_of(request)
     r = Reader(await _body(request))

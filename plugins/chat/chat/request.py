@@ -11,6 +11,8 @@ from localm.sdk import engines as spec
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
+#: The most messages one request may hold (past it: 400 limit_exceeded, before any is read).
+MAX_MESSAGES = 10_000
 
 
 class Invalid(sdk.LocalmError):
@@ -157,6 +159,9 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         r.errors.append({"key": "messages", "message": "must be a non-empty list of messages"})
         return []
+    if len(messages) > MAX_MESSAGES:
+        raise sdk.LocalmError(400, f"messages holds {len(messages)} items; at most {MAX_MESSAGES} are accepted",
+                              code="limit_exceeded", field="messages", limit=MAX_MESSAGES, param="messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

@@ -21,6 +21,7 @@ from localm import sdk
 
 from . import fields, pipeline
 from .request import Invalid, Reader
+from .schema import RERANK_ERRORS, RerankRequest
 
 log = logging.getLogger("localm.plugin.chat")
 
@@ -148,7 +149,8 @@ def read_body(raw: bytes) -> tuple[dict[str, Any], str | None, str, list[str], i
 
 
 @sdk.post("/v1/rerank", scope=None, access="inference", error_family="openai",
-          summary="Rerank documents against a query (Jina / Cohere / llama-server shape)")
+          summary="Rerank documents against a query (Jina / Cohere / llama-server shape)",
+          body=RerankRequest, errors=RERANK_ERRORS)
 async def rerank_route(request: sdk.Request) -> sdk.Response:
     host = sdk.host_of(request)
     body, model, query, texts, top_n, back = read_body(await request.body())

@@ -10,7 +10,7 @@ from typing import Any
 
 from localm import sdk
 
-from . import current
+from . import current, schema
 from .service import clean
 from .store import KINDS, item, pack
 
@@ -61,7 +61,7 @@ async def read_memory() -> dict[str, Any]:
             "embedder_model": m.embedder_name()}
 
 
-@sdk.put("/api/memory", summary="Bulk edit: one fact per line")
+@sdk.put("/api/memory", summary="Bulk edit: one fact per line", body=schema.BulkEdit, errors=schema.WRITE)
 async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
     m = current()
     m.check_writable()
@@ -103,7 +103,7 @@ async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
     return {"status": "saved", "count": count}
 
 
-@sdk.post("/api/memory/append", summary="Add one fact")
+@sdk.post("/api/memory/append", summary="Add one fact", body=schema.Append, errors=schema.WRITE)
 async def append(request: sdk.Request) -> dict[str, Any]:
     m = current()
     m.check_writable()
@@ -125,7 +125,8 @@ async def append(request: sdk.Request) -> dict[str, Any]:
     return {"status": "appended", "id": fact_id}
 
 
-@sdk.patch("/api/memory/{fact_id:str}", summary="Edit one fact's text or importance")
+@sdk.patch("/api/memory/{fact_id:str}", summary="Edit one fact's text or importance", body=schema.Edit,
+           errors={**schema.WRITE, 404: "No such fact (fact_not_found)"})
 async def edit(request: sdk.Request, fact_id: str) -> dict[str, Any]:
     m = current()
     m.check_writable()
@@ -156,7 +157,8 @@ async def edit(request: sdk.Request, fact_id: str) -> dict[str, Any]:
     return {"status": "saved", "item": item(row)}
 
 
-@sdk.delete("/api/memory/{fact_id:str}", summary="Delete one fact (it is archived)")
+@sdk.delete("/api/memory/{fact_id:str}", summary="Delete one fact (it is archived)",
+            errors={403: "Memory is in privacy mode (privacy_mode)"})
 async def forget(fact_id: str) -> dict[str, Any]:
     m = current()
     m.check_writable()
@@ -212,12 +214,14 @@ async def _correction(correction_id: str, accept: bool) -> dict[str, Any]:
     return out
 
 
-@sdk.post("/api/memory/corrections/{correction_id:str}/accept", summary="Apply a proposed correction")
+@sdk.post("/api/memory/corrections/{correction_id:str}/accept", summary="Apply a proposed correction",
+          errors={403: "Memory is in privacy mode", 404: "No such correction (correction_not_found)"})
 async def accept(correction_id: str) -> dict[str, Any]:
     return await _correction(correction_id, True)
 
 
-@sdk.post("/api/memory/corrections/{correction_id:str}/reject", summary="Discard a proposed correction")
+@sdk.post("/api/memory/corrections/{correction_id:str}/reject", summary="Discard a proposed correction",
+          errors={403: "Memory is in privacy mode", 404: "No such correction (correction_not_found)"})
 async def reject(correction_id: str) -> dict[str, Any]:
     return await _correction(correction_id, False)
 
@@ -233,7 +237,9 @@ async def forgotten() -> dict[str, Any]:
     return {"items": await asyncio.to_thread(m.store.forgotten)}
 
 
-@sdk.post("/api/memory/forgotten/{archive_id:str}/restore", summary="Bring an archived fact back")
+@sdk.post("/api/memory/forgotten/{archive_id:str}/restore", summary="Bring an archived fact back",
+          errors={403: "Memory is in privacy mode", 404: "No such archived fact (archive_not_found)",
+                  413: "Past the memory's caps"})
 async def restore(archive_id: str) -> dict[str, Any]:
     m = current()
     m.check_writable()

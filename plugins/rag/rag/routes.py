@@ -10,7 +10,7 @@ from typing import Any
 
 from localm import sdk
 
-from . import current, extract, policy
+from . import current, extract, policy, schema
 from .service import INTERNAL, MAX_FILE_BYTES, MAX_PATHS, MAX_UPLOAD_BYTES, DEFAULT_EMBEDDER, Source, plain_paths
 
 async def _body(request: sdk.Request, limit: int | None = None) -> dict[str, Any]:
@@ -79,7 +79,8 @@ async def list_collections(request: sdk.Request) -> dict[str, Any]:
     return {"collections": await asyncio.to_thread(k.listing, sdk.caller(request))}
 
 
-@sdk.post("/api/rag/collections", summary="Create an empty knowledge collection")
+@sdk.post("/api/rag/collections", summary="Create an empty knowledge collection", body=schema.NewCollection,
+          errors={400: "An invalid collection name (invalid_collection_name)", 409: "It exists (collection_exists)"})
 async def create_collection(request: sdk.Request) -> dict[str, Any]:
     k = current()
     body = await _body(request)
@@ -87,7 +88,8 @@ async def create_collection(request: sdk.Request) -> dict[str, Any]:
     return await asyncio.to_thread(k.stats, col, k.find_model(k.embedder_name()))
 
 
-@sdk.get("/api/rag/collections/{name:str}", summary="One collection's stats and documents")
+@sdk.get("/api/rag/collections/{name:str}", summary="One collection's stats and documents", params=schema.NAME,
+         errors=schema.COLLECTION)
 async def get_collection(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     col = await asyncio.to_thread(k.open, name, sdk.caller(request))
@@ -101,7 +103,8 @@ async def get_collection(request: sdk.Request, name: str) -> dict[str, Any]:
     return await asyncio.to_thread(detail)
 
 
-@sdk.delete("/api/rag/collections/{name:str}", summary="Delete a collection and its index")
+@sdk.delete("/api/rag/collections/{name:str}", summary="Delete a collection and its index", params=schema.NAME,
+            errors=schema.COLLECTION)
 async def delete_collection(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     await asyncio.to_thread(k.open, name, sdk.caller(request))
@@ -109,7 +112,11 @@ async def delete_collection(request: sdk.Request, name: str) -> dict[str, Any]:
     return {"status": "deleted", "name": name}
 
 
-@sdk.post("/api/rag/collections/{name:str}/add", summary="Index files and folders into a collection (a job)")
+@sdk.post("/api/rag/collections/{name:str}/add", summary="Index files and folders into a collection (a job)",
+          params=schema.NAME, body=schema.AddPaths,
+          errors={**schema.COLLECTION, 400: "No paths, more than 50 (too_many_paths), a path that does not exist "
+                                           "(path_not_found), a flag that is not true or false",
+                  409: "Paths outside the allowed folders that need consent, or the collection is being written"})
 async def add(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     body = await _body(request)
@@ -139,7 +146,10 @@ async def add(request: sdk.Request, name: str) -> dict[str, Any]:
 
 
 @sdk.post("/api/rag/collections/{name:str}/upload", summary="Index uploaded files into a collection (a job)",
-          request_max_body_size=MAX_UPLOAD_BYTES * 2)
+          request_max_body_size=MAX_UPLOAD_BYTES * 2, params=schema.NAME, body=schema.Upload,
+          errors={**schema.COLLECTION, 400: "No files, more than 50 (too_many_files), a file without filename or "
+                                           "content_b64, content that is not base64 (invalid_base64)",
+                  413: "A body over 100 MB (request_too_large) or a file over 30 MB (file_too_large)"})
 async def upload(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     body = await _body(request, limit=MAX_UPLOAD_BYTES)
@@ -161,7 +171,9 @@ async def upload(request: sdk.Request, name: str) -> dict[str, Any]:
     return _job(request, run, kind="rag.upload", title=f"Index {len(sources)} uploaded file(s) into {name}")
 
 
-@sdk.post("/api/rag/collections/{name:str}/query", summary="Search a collection")
+@sdk.post("/api/rag/collections/{name:str}/query", summary="Search a collection", params=schema.NAME,
+          body=schema.Query, errors={**schema.COLLECTION, 400: "An empty query (empty_query), or a field of the "
+                                                               "wrong type or value (invalid_parameter)"})
 async def query(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     body = await _body(request)
@@ -186,7 +198,8 @@ async def query(request: sdk.Request, name: str) -> dict[str, Any]:
                           mode=mode)
 
 
-@sdk.post("/api/rag/collections/{name:str}/reembed", summary="Recompute a collection's vectors (a job)")
+@sdk.post("/api/rag/collections/{name:str}/reembed", summary="Recompute a collection's vectors (a job)",
+          params=schema.NAME, errors={**schema.COLLECTION, 400: "No embedding model is available (no_embedder)"})
 async def reembed(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     col = await asyncio.to_thread(k.open, name, sdk.caller(request))
@@ -199,7 +212,10 @@ async def reembed(request: sdk.Request, name: str) -> dict[str, Any]:
     return _job(request, run, kind="rag.reembed", title=f"Re-embed {name} with {entry.id}")
 
 
-@sdk.post("/api/rag/collections/{name:str}/repair", summary="Re-index every rebuildable document (a job)")
+@sdk.post("/api/rag/collections/{name:str}/repair", summary="Re-index every rebuildable document (a job)",
+          params=schema.NAME, body=schema.Repair, body_required=False,
+          errors={**schema.COLLECTION, 400: "Nothing to repair (nothing_to_repair), or a flag that is not true or "
+                                           "false"})
 async def repair(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     body = await _body(request)
@@ -236,7 +252,9 @@ async def repair(request: sdk.Request, name: str) -> dict[str, Any]:
     return _job(request, run, kind="rag.repair", title=f"Repair {name}")
 
 
-@sdk.post("/api/rag/collections/{name:str}/remove-doc", summary="Remove one document from a collection")
+@sdk.post("/api/rag/collections/{name:str}/remove-doc", summary="Remove one document from a collection",
+          params=schema.NAME, body=schema.RemoveDoc,
+          errors={**schema.COLLECTION, 404: "No such collection, or the document is not in it (doc_not_found)"})
 async def remove_doc(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     body = await _body(request)
@@ -246,7 +264,7 @@ async def remove_doc(request: sdk.Request, name: str) -> dict[str, Any]:
     def run() -> bool:
         with col.writing():
             found = col.remove(path)
-            if not found and not path.startswith("upload:"):
+            if not found and not path.startswith("upload:") and "\0" not in path:  # no file is named so
                 found = col.remove(str(policy.real(path)))
             return found
     if not await asyncio.to_thread(run):
@@ -257,7 +275,9 @@ async def remove_doc(request: sdk.Request, name: str) -> dict[str, Any]:
 # --- extraction, reranking, the embedder ----------------------------------------------------
 
 @sdk.post("/api/rag/extract", summary="Extract the plain text of an uploaded file (in memory)",
-          request_max_body_size=MAX_FILE_BYTES * 2)
+          request_max_body_size=MAX_FILE_BYTES * 2, body=schema.Extract,
+          errors={400: "No filename or content_b64, content that is not base64, a file that cannot be read",
+                  413: "A file over 30 MB (file_too_large)"})
 async def extract_text(request: sdk.Request) -> dict[str, Any]:
     body = await _body(request)
     filename, data = _decode({"filename": body.get("filename"), "content_b64": body.get("content_b64")}, 0)
@@ -335,7 +355,11 @@ async def embedding_download(request: sdk.Request) -> dict[str, Any]:
     return {**out, "model": name}
 
 
-@sdk.post("/api/rag/embedding", summary="Choose the embedding model (dry run, then confirm: a job)")
+@sdk.post("/api/rag/embedding", summary="Choose the embedding model (dry run, then confirm: a job)",
+          body=schema.ChooseEmbedder,
+          errors={400: "No model named", 403: "A caller who is not the owner (owner_only)",
+                  404: "An unregistered model that localm cannot install (model_not_found)",
+                  409: "A setup is already running (setup_running)", 422: "A reranker (not_an_embedder)"})
 async def embedding_select(request: sdk.Request) -> dict[str, Any]:
     k = current()
     if not policy.is_owner(sdk.caller(request)):

@@ -18,7 +18,7 @@ from typing import Any
 
 from localm import sdk
 
-from . import render
+from . import render, schema
 from .request import parse
 from .store import Store
 
@@ -84,7 +84,7 @@ def _renamed(exc: sdk.LocalmError, origins: list[Any]) -> sdk.LocalmError:
 
 
 @sdk.post("/v1/responses", scope=None, access="inference", error_family="responses",
-          summary="OpenAI Responses API")
+          summary="OpenAI Responses API", body=schema.ResponsesRequest, errors=schema.ERRORS)
 async def create_response(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)

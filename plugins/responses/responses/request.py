@@ -33,6 +33,8 @@ INCLUDE_NO_EFFECT = ("reasoning.encrypted_content", "file_search_call.results", 
                      "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 LOGPROBS = "message.output_text.logprobs"
 ROLES = ("user", "assistant", "system", "developer")
+#: The most input items a request may hold (the chat plugin's bound on messages).
+MAX_ITEMS = 10_000
 
 
 def bad(detail: str, param: str | None, code: str | None = None) -> sdk.LocalmError:
@@ -274,6 +276,8 @@ def read_input(raw: Any) -> tuple[list[dict[str, Any]], list[Any]]:
         return [{"role": "user", "content": raw}], ["input"]
     if not isinstance(raw, list):
         raise bad("input must be a string or a list of items", "input")
+    if len(raw) > MAX_ITEMS:
+        raise bad(f"input holds {len(raw)} items; at most {MAX_ITEMS} are accepted", "input", "limit_exceeded")
     messages: list[dict[str, Any]] = []
     origins: list[Any] = []
     names: dict[str, str] = {}  # call_id -> function name
