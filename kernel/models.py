@@ -210,6 +210,9 @@ def inspect_gguf(path: Path) -> tuple[dict[str, Any], str]:
         "tool_use": isinstance(template, str) and "tools" in template,
         "name": meta.get("general.name"),
         "quantization": gguf.FILE_TYPES.get(meta.get("general.file_type", -1)),
+        # the residual stream's width and the decoder layers (what a steering plugin needs)
+        "hidden_size": meta.get(f"{arch}.embedding_length"),
+        "layers": meta.get(f"{arch}.block_count"),
     }
     pooling = meta.get(f"{arch}.pooling_type")
     if pooling == POOLING_RANK:  # a cross-encoder with a classifier head (llama.cpp's rank pooling)
@@ -251,6 +254,10 @@ def inspect_hf(folder: Path) -> tuple[dict[str, Any], str]:
         "reasoning": isinstance(template, str) and "<think>" in template,
         "tool_use": isinstance(template, str) and "tools" in template,
     }
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key, name in (("hidden_size", "hidden_size"), ("layers", "num_hidden_layers")):
+        if isinstance(text.get(name), int):
+            caps[key] = text[name]
     if reranker:  # a cross-encoder: one score (or one per label) for a (query, document) pair
         labels = config.get("id2label")
         if isinstance(labels, dict) and labels:
