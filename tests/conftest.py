@@ -51,6 +51,14 @@ def server(localm_server: Callable[..., LocalmServer]) -> Callable[..., LocalmSe
     return start
 
 
+def sigint_default() -> None:
+    """A pseudo-terminal child's ``preexec_fn``: Ctrl-C (SIGINT) back to its default. A suite
+    started in the background by a shell without job control runs with SIGINT ignored, and a
+    child would inherit that and never see the Ctrl-C a test sends."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def offline_cli(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> str:
     """Run a CLI command against a data dir with no server; return its stdout (must succeed)."""
     result = LocalmServer(data_dir, env={**STORE_ENV, **(env or {})}).cli(*args)

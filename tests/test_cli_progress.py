@@ -19,7 +19,7 @@ import pexpect
 import pytest
 
 from cli_fixtures import package_index, pip_env, small_gguf, uninstall, wheel
-from conftest import STORE_ENV
+from conftest import STORE_ENV, sigint_default
 from localm.sdk.testing import LocalmServer
 
 BAR = "━"
@@ -60,7 +60,7 @@ def terminal(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> t
     full = {k: v for k, v in os.environ.items() if k != "LOCALM_API_KEY"}
     full.update(TERM="xterm", **STORE_ENV, **(env or {}))
     child = pexpect.spawn(sys.executable, ["-m", "localm.kernel", "--data-dir", str(data_dir), *args], env=full,
-                          encoding="utf-8", timeout=180, dimensions=(40, 120))
+                          encoding="utf-8", timeout=180, dimensions=(40, 120), preexec_fn=sigint_default)
     child.expect(pexpect.EOF)
     child.close()
     return str(child.before), int(child.exitstatus)
@@ -167,7 +167,7 @@ def test_ctrl_c_cancels_the_job_it_watches(s: LocalmServer) -> None:
     env = {k: v for k, v in os.environ.items() if k != "LOCALM_API_KEY"}
     child = pexpect.spawn(sys.executable, ["-m", "localm.kernel", "--data-dir", str(s.data_dir), "jobs", "watch",
                                            job], env={**env, "TERM": "xterm", **STORE_ENV}, encoding="utf-8",
-                          timeout=60)
+                          timeout=60, preexec_fn=sigint_default)
     child.expect_exact("step 2")
     child.sendintr()
     child.expect_exact("Cancelled: Count to 200.")

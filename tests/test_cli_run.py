@@ -22,7 +22,7 @@ from typing import Any
 import pexpect
 import pytest
 
-from conftest import STORE_ENV
+from conftest import STORE_ENV, sigint_default
 from localm.sdk.testing import LocalmServer
 
 MODEL = "smollm2-135m-instruct"
@@ -62,7 +62,7 @@ def spawn(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> pexp
     full = {k: v for k, v in os.environ.items() if k != "LOCALM_API_KEY"}
     full.update(TERM="xterm", COLUMNS="120", **STORE_ENV, **(env or {}))
     return pexpect.spawn(sys.executable, ["-m", "localm.kernel", "--data-dir", str(data_dir), *args], env=full,
-                         encoding="utf-8", timeout=120, dimensions=(40, 120))
+                         encoding="utf-8", timeout=120, dimensions=(40, 120), preexec_fn=sigint_default)
 
 
 def ask(child: pexpect.spawn, line: str) -> str:
