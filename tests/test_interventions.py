@@ -359,23 +359,38 @@ def test_a_bad_intervention_or_read_is_refused_in_band(tiny: Subject, bad: Any) 
     assert finished(collect(tiny.engine, spec.GenerateRequest(prompt=tiny.prompt, sampling=GREEDY))).reason != "error"
 
 
-# --- (f) llama.cpp refuses -------------------------------------------------------------------
+# --- (f) llama.cpp: a control vector and the eval callback ------------------------------------
 
-def test_llamacpp_refuses_interventions_and_reads() -> None:
+def test_llamacpp_takes_interventions_and_reads() -> None:
+    """The engine-level contract on llama.cpp (the numbers against a reference hook are in
+    tests/test_steering_gguf.py): bad deltas end the request with a clear error; a zero delta
+    (control vector, and layer 0 through the eval callback) changes no token; a read has one
+    row per prompt token and per generated token fed back; the engine serves on."""
     pytest.importorskip("llama_cpp")
     module = plugin_module("localm_test_interventions_llamacpp", "plugins/llamacpp/llamacpp.py")
     engine = module.LlamaEngine(str(smollm2_gguf()), {"n_ctx": 512, "n_threads": 2, "n_batch": 512})
     try:
         caps = engine.capabilities
-        assert caps.interventions is False
+        assert caps.interventions is True
         assert (caps.hidden_size, caps.layers) == (576, 30)
         prompt = tuple(engine.tokenize(PROMPT_TEXT))
-        for changes in ({"interventions": (spec.Intervention(layer=3, delta=[0.0] * 576),)},
-                        {"reads": (spec.ActivationRead(layer=3),)}):
+        plain = token_ids(collect(engine, spec.GenerateRequest(prompt=prompt, sampling=GREEDY, cache_prompt=False)))
+        assert plain
+        for changes, message in (({"interventions": (spec.Intervention(layer=3, delta=[0.0] * 5),)}, "hidden size"),
+                                 ({"interventions": (spec.Intervention(layer=30, delta=[0.0] * 576),)}, "0..29"),
+                                 ({"reads": (spec.ActivationRead(layer=3, point="middle"),)}, "'pre' or 'post'")):
             events = collect(engine, spec.GenerateRequest(prompt=prompt, sampling=GREEDY, **changes))
             assert not token_ids(events)
-            assert finished(events).reason == "error" and "interventions" in finished(events).error
-        assert token_ids(collect(engine, spec.GenerateRequest(prompt=prompt, sampling=GREEDY)))
+            assert finished(events).reason == "error" and message in finished(events).error
+        for layer in (0, 3):
+            zero = (spec.Intervention(layer=layer, delta=[0.0] * 576),)
+            events = collect(engine, spec.GenerateRequest(prompt=prompt, sampling=GREEDY, cache_prompt=False,
+                                                          interventions=zero, reads=(spec.ActivationRead(layer=3),)))
+            assert token_ids(events) == plain
+            rows = finished(events).activations[(3, "post")]
+            assert rows.shape == (len(prompt) + len(plain) - (1 if finished(events).reason == "length" else 0), 576)
+        assert token_ids(collect(engine, spec.GenerateRequest(prompt=prompt, sampling=GREEDY, cache_prompt=False))) \
+            == plain
     finally:
         engine.close()
 
