@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import importlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Literal, Protocol, Sequence, runtime_checkable
@@ -163,6 +164,46 @@ class ActivationRead:
 
     layer: int
     point: Literal["pre", "post"] = "post"
+
+
+def steering_of(request: "GenerateRequest", layers: int | None,
+                hidden: int | None) -> tuple[dict[int, Any], dict[int, set[str]]]:
+    """A request's interventions and reads, checked as every engine checks them: the deltas
+    summed per layer (layer → float32 numpy vector of ``hidden`` values) and the points read
+    per layer. A bad layer, width, value or point is a ValueError whose message the engine
+    ends the request with. numpy is imported when called (an engine plugin brings it; the
+    kernel itself does not depend on it)."""
+    np = importlib.import_module("numpy")
+
+    def layer_of(layer: Any, what: str) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool) or layers is None or not 0 <= layer < layers:
+            raise ValueError(f"{what}'s layer must be 0..{(layers or 0) - 1}, not {layer!r}")
+        return layer
+
+    sums: dict[int, Any] = {}
+    for item in request.interventions:
+        layer = layer_of(getattr(item, "layer", None), "An intervention")
+        delta = item.delta
+        if hasattr(delta, "detach"):  # a torch tensor
+            delta = delta.detach().to("cpu").float().numpy()
+        try:
+            vector = np.asarray(delta, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"An intervention's delta is not a vector of numbers: {exc}") from None
+        if vector.ndim != 1 or vector.shape[0] != hidden:
+            raise ValueError(f"An intervention's delta has shape {tuple(vector.shape)}; "
+                             f"this model's hidden size is {hidden}")
+        if not np.isfinite(vector).all():
+            raise ValueError("An intervention's delta holds a value that is not finite")
+        sums[layer] = sums[layer] + vector if layer in sums else vector.copy()
+    reads: dict[int, set[str]] = {}
+    for read in request.reads:
+        layer = layer_of(getattr(read, "layer", None), "An activation read")
+        point = getattr(read, "point", None)
+        if point not in ("pre", "post"):
+            raise ValueError(f"An activation read's point must be 'pre' or 'post', not {point!r}")
+        reads.setdefault(layer, set()).add(point)
+    return sums, reads
 
 
 @attrs.frozen

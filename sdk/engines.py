@@ -29,8 +29,10 @@ from localm.kernel.engines import (
     Status,
     Token,
     Turns,
+    steering_of,
 )
 
 __all__ = ["LOGPROB_FLOOR", "ActivationRead", "Batched", "Capabilities", "ChatInput", "Constrainer", "Constraint",
            "Engine", "EngineError", "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Job", "Queued", "Ranked", "Sampling",
-           "Serial", "Started", "Status", "Token", "TokenMasker", "Turns", "logprob_entry", "safe_logprob"]
+           "Serial", "Started", "Status", "Token", "TokenMasker", "Turns", "logprob_entry", "safe_logprob",
+           "steering_of"]

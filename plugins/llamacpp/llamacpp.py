@@ -143,46 +143,17 @@ class _Steer:
     """
 
     def __init__(self, request: spec.GenerateRequest, layers: int | None, hidden: int | None) -> None:
-        import numpy as np
-        sums: dict[int, Any] = {}
-        for item in request.interventions:
-            layer = self._layer(getattr(item, "layer", None), layers, "An intervention")
-            delta = item.delta
-            if hasattr(delta, "detach"):  # a torch tensor
-                delta = delta.detach().to("cpu").float().numpy()
-            try:
-                vector = np.asarray(delta, dtype=np.float32)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"An intervention's delta is not a vector of numbers: {exc}") from None
-            if vector.ndim != 1 or vector.shape[0] != hidden:
-                raise ValueError(f"An intervention's delta has shape {tuple(vector.shape)}; "
-                                 f"this model's hidden size is {hidden}")
-            if not np.isfinite(vector).all():
-                raise ValueError("An intervention's delta holds a value that is not finite")
-            sums[layer] = sums[layer] + vector if layer in sums else vector.copy()
+        sums, self.reads = spec.steering_of(request, layers, hidden)
         self.deltas = sums
         self.key = tuple((layer, sums[layer].tobytes()) for layer in sorted(sums))
-        self.reads: dict[int, set[str]] = {}
-        self.rows: dict[tuple[int, str], list[Any]] = {}
-        for read in request.reads:
-            layer = self._layer(getattr(read, "layer", None), layers, "An activation read")
-            point = getattr(read, "point", None)
-            if point not in ("pre", "post"):
-                raise ValueError(f"An activation read's point must be 'pre' or 'post', not {point!r}")
-            self.reads.setdefault(layer, set()).add(point)
-            self.rows[(layer, point)] = []
+        self.rows: dict[tuple[int, str], list[Any]] = {
+            (layer, point): [] for layer, points in self.reads.items() for point in points}
         self.hidden = hidden or 0
         self.probe = bool(self.reads) or 0 in sums
         #: the last layer's output holds only the rows whose logits are asked for
         self.every_row = layers is not None and layers - 1 in self.reads
         self.names = {f"l_out-{layer}".encode(): layer for layer in set(sums) | set(self.reads)} if self.probe else {}
         self.error: str | None = None
-
-    @staticmethod
-    def _layer(layer: Any, layers: int | None, what: str) -> int:
-        if not isinstance(layer, int) or isinstance(layer, bool) or layers is None or not 0 <= layer < layers:
-            raise ValueError(f"{what}'s layer must be 0..{(layers or 0) - 1}, not {layer!r}")
-        return layer
 
     def control_vector(self, layers: int) -> tuple[Any, int, int] | None:
         """The deltas as llama.cpp's control vector: layers 1..n-1's rows in one buffer (there is

@@ -189,42 +189,12 @@ class _Steering:
     """
 
     def __init__(self, request: spec.GenerateRequest, layers: int | None, hidden: int | None) -> None:
-        import numpy as np
         import torch
-        self.deltas: dict[int, Any] = {}
-        self.reads: dict[int, set[str]] = {}
-        self.rows: dict[tuple[int, str], list[Any]] = {}
-        sums: dict[int, Any] = {}
-        for item in request.interventions:
-            layer = self._layer(getattr(item, "layer", None), layers, "An intervention")
-            delta = item.delta
-            if hasattr(delta, "detach"):
-                delta = delta.detach().to("cpu", torch.float32).numpy()
-            try:
-                vector = np.asarray(delta, dtype=np.float32)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"An intervention's delta is not a vector of numbers: {exc}") from None
-            if vector.ndim != 1 or vector.shape[0] != hidden:
-                raise ValueError(f"An intervention's delta has shape {tuple(vector.shape)}; "
-                                 f"this model's hidden size is {hidden}")
-            if not np.isfinite(vector).all():
-                raise ValueError("An intervention's delta holds a value that is not finite")
-            sums[layer] = sums[layer] + vector if layer in sums else vector.copy()
+        sums, self.reads = spec.steering_of(request, layers, hidden)
         self.key = tuple((layer, sums[layer].tobytes()) for layer in sorted(sums))
-        self.deltas = {layer: torch.from_numpy(vector) for layer, vector in sums.items()}
-        for read in request.reads:
-            layer = self._layer(getattr(read, "layer", None), layers, "An activation read")
-            point = getattr(read, "point", None)
-            if point not in ("pre", "post"):
-                raise ValueError(f"An activation read's point must be 'pre' or 'post', not {point!r}")
-            self.reads.setdefault(layer, set()).add(point)
-            self.rows[(layer, point)] = []
-
-    @staticmethod
-    def _layer(layer: Any, layers: int | None, what: str) -> int:
-        if not isinstance(layer, int) or isinstance(layer, bool) or layers is None or not 0 <= layer < layers:
-            raise ValueError(f"{what}'s layer must be 0..{(layers or 0) - 1}, not {layer!r}")
-        return layer
+        self.deltas: dict[int, Any] = {layer: torch.from_numpy(vector) for layer, vector in sums.items()}
+        self.rows: dict[tuple[int, str], list[Any]] = {
+            (layer, point): [] for layer, points in self.reads.items() for point in points}
 
     def __bool__(self) -> bool:
         return bool(self.deltas or self.reads)
