@@ -186,3 +186,30 @@ def dequantized_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return Path(dst)
+
+
+def reference_logprobs(reference: Any, messages: list[dict], deltas: dict[int, Any]) -> Any:
+    """The next-token log-probabilities (float64 torch) after ``messages`` on ``reference``
+    (a (tokenizer, transformers model) pair), with each ``{layer: delta}`` added at that
+    decoder layer's output by a plain PyTorch forward hook: what steering must match."""
+    import torch
+
+    tokenizer, model = reference
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    handles = []
+    for layer, vector in deltas.items():
+        d = torch.from_numpy(np.asarray(vector, dtype=np.float32))
+
+        def hook(module: Any, args: Any, output: Any, d: Any = d) -> Any:
+            if isinstance(output, tuple):
+                return (output[0] + d, *output[1:])
+            return output + d
+        handles.append(model.model.layers[layer].register_forward_hook(hook))
+    try:
+        with torch.inference_mode():
+            logits = model(ids).logits[0, -1]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.log_softmax(logits.double(), dim=0)

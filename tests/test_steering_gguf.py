@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from conftest import offline_cli
 from sae_fixtures import decoder_rows, dequantized_gguf, smollm2_gguf, write_saelens_sae
+import sae_fixtures as fixtures
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -88,27 +89,7 @@ def first_token(client: Any, model: str = F32, **extra: Any) -> tuple[dict[int, 
 
 
 def reference_logprobs(reference: Any, deltas: dict[int, np.ndarray]) -> Any:
-    """Next-token log-probabilities after ASK with each delta added at its layer's output by a
-    plain PyTorch forward hook."""
-    tokenizer, model = reference
-    text = tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    handles = []
-    for layer, vector in deltas.items():
-        d = torch.from_numpy(np.asarray(vector, dtype=np.float32))
-
-        def hook(module: Any, args: Any, output: Any, d: Any = d) -> Any:
-            if isinstance(output, tuple):
-                return (output[0] + d, *output[1:])
-            return output + d
-        handles.append(model.model.layers[layer].register_forward_hook(hook))
-    try:
-        with torch.inference_mode():
-            logits = model(ids).logits[0, -1]
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.log_softmax(logits.double(), dim=0)
+    return fixtures.reference_logprobs(reference, ASK, deltas)
 
 
 def reference_residuals(reference: Any, layer: int) -> np.ndarray:
