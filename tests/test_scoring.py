@@ -105,7 +105,10 @@ def hf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalmServer
 
 def _llama_engine(server: LocalmServer) -> Engine:
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=str(smollm2_gguf()), n_ctx=512, n_threads=1, logits_all=False, verbose=False)
+    # computed as the engine computes (flash attention on, its default; a prompt read in one
+    # chunk of n_batch tokens): the same numbers, not merely close ones
+    llm = llama_cpp.Llama(model_path=str(smollm2_gguf()), n_ctx=512, n_threads=1, logits_all=False, flash_attn=True,
+                          verbose=False)
 
     def logits(ids: list[int]) -> Any:
         llm.reset()

@@ -45,6 +45,10 @@ class Settings:
     n_parallel: int = sdk.setting(4, min=1, max=64, description="Requests a model decodes at once, in one batch a "
                                                                 "step; each has a window of its own (restart-free: "
                                                                 "takes effect when a model loads)")
+    flash_attn: bool = sdk.setting(True, description="Flash attention, as llama-server has it: a step of several "
+                                                     "replies decodes about a fifth faster on CPU. Off: every reply "
+                                                     "computes the same numbers alone or beside others, whatever "
+                                                     "its length (takes effect when a model loads)")
 
 
 def _meta_int(meta: dict[str, Any], key: str) -> int | None:
@@ -310,6 +314,7 @@ class LlamaEngine:
                 bos_token=vocab._model.token_get_text(vocab.token_bos()), add_generation_prompt=True)
         self._n_vocab = self.llm.n_vocab()
         self._n_batch = max(int(settings["n_batch"]), self._slots)
+        self._flash = bool(settings.get("flash_attn", True))
         self._batch: Any = None
         self._queue: Any
         #: steering state: the control vector set on the context (its key; () for none), whether
@@ -516,11 +521,12 @@ class LlamaEngine:
         params.n_seq_max = self._slots
         params.kv_unified = False
         params.n_batch = max(params.n_batch, self._slots)
-        # no flash attention: on CPU it decodes a batch of several sequences about a fifth faster
-        # (llama-server turns it on), but a token decoded on its own then computes other numbers
-        # than the same token in a longer batch, and scoring, logprobs and greedy replies stop
-        # agreeing across paths (tests/test_scoring.py)
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # flash attention (llama-server's default): a step of several sequences decodes about a
+        # fifth faster on CPU. A row's numbers then depend on how many rows of its sequence a
+        # step decodes (llama.cpp's tiled kernel from 64 rows on), so a prompt is always read in
+        # the same chunks (see _step) and scoring reads it in them too
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if self._flash \
+            else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.cb_eval = self._eval_callback() if probe else llama_cpp.ggml_backend_sched_eval_callback()
         try:
             return internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
@@ -722,10 +728,15 @@ class LlamaEngine:
             self._running.append(job)
 
     def _step(self, jobs: list[spec.Job]) -> None:
-        """One batch: every sequence past its prompt feeds its last token, and prompts fill the
-        rest of the batch (``n_batch`` tokens) in arrival order; then each sequence whose
-        prompt is done draws its next token."""
-        import llama_cpp
+        """One step: every sequence past its prompt feeds its last token, all in one batch; then
+        prompts are read, up to ``n_batch`` tokens in all, in arrival order; each sequence whose
+        prompt is done draws its next token.
+
+        A prompt is read in chunks of ``n_batch`` tokens from where its cache ends, each chunk in
+        a decode of its own: llama.cpp splits a batch holding several sequences into equal shares
+        of each, and with flash attention a row's numbers depend on how many rows of its sequence
+        are decoded together. Read the same way alone, beside others and when scored, a prompt
+        gives the same numbers on every path."""
         for job in list(self._running):
             if job.cancelled.is_set():
                 self._end(job, "cancelled")
@@ -735,40 +746,51 @@ class LlamaEngine:
         self._take()
         if not self._running:
             return
-        batch, budget = self._batch, self._n_batch
-        n = 0
-        rows: list[tuple[spec.Job, int]] = []
-        fed: list[tuple[spec.Job, int]] = []
-        reader: _Steer | None = None
-        for prompting in (False, True):
-            for job in self._running:
-                seq: _Sequence = job.state
-                if seq.prompting != prompting or not seq.feed:
-                    continue
-                room = budget - n
-                if room <= 0:
-                    break
-                take = seq.feed[:room] if prompting else seq.feed[:1]
-                pos = len(self._slot_tokens[seq.slot])
-                every = False
-                if seq.steer is not None and seq.steer.probe:  # it decodes alone (see _take)
-                    reader = seq.steer
-                    every = reader.every_row
-                for i, token in enumerate(take):
-                    batch.token[n] = token
-                    batch.pos[n] = pos + i
-                    batch.n_seq_id[n] = 1
-                    batch.seq_id[n][0] = seq.slot
-                    batch.logits[n] = every
-                    n += 1
-                fed.append((job, len(take)))
-                if len(take) == len(seq.feed):  # its last token: draw after it
-                    batch.logits[n - 1] = True
-                    rows.append((job, n - 1))
-        if n == 0:  # nothing to decode: never the case, but a job must not wait for ever
+        drawing = [(job, job.state.feed[:1]) for job in self._running if not job.state.prompting and job.state.feed]
+        groups = [drawing] if drawing else []
+        budget = self._n_batch
+        for job in self._running:
+            seq: _Sequence = job.state
+            if not seq.prompting or not seq.feed:
+                continue
+            chunk = seq.feed[:self._n_batch]
+            if len(chunk) > budget and budget < self._n_batch:  # the next step reads it whole
+                break
+            groups.append([(job, chunk)])
+            budget -= len(chunk)
+            if budget <= 0:
+                break
+        if not groups:  # nothing to decode: never the case, but a job must not wait for ever
             for job in list(self._running):
                 self._end(job, "error", "The engine had nothing to decode for this request")
             return
+        for group in groups:
+            self._decode(group)
+
+    def _decode(self, group: list[tuple[spec.Job, list[int]]]) -> None:
+        """Decode each job's ``tokens`` in one batch, then draw for each job whose feed that ends."""
+        import llama_cpp
+        batch = self._batch
+        n = 0
+        rows: list[tuple[spec.Job, int]] = []
+        reader: _Steer | None = None
+        for job, take in group:
+            seq: _Sequence = job.state
+            pos = len(self._slot_tokens[seq.slot])
+            every = False
+            if seq.steer is not None and seq.steer.probe:  # it decodes alone (see _take)
+                reader = seq.steer
+                every = reader.every_row
+            for i, token in enumerate(take):
+                batch.token[n] = token
+                batch.pos[n] = pos + i
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = seq.slot
+                batch.logits[n] = every
+                n += 1
+            if len(take) == len(seq.feed):  # its last token: draw after it
+                batch.logits[n - 1] = True
+                rows.append((job, n - 1))
         batch.n_tokens = n
         self._reader = reader
         try:
@@ -778,15 +800,15 @@ class LlamaEngine:
         if status == 0 and reader is not None and reader.error:
             status = reader.error
         if status != 0:
-            for job, _ in fed:
+            for job, _ in group:
                 self._forget(job.state.slot)
                 self._end(job, "error", f"llama.cpp could not decode the batch (status {status})"
                           if isinstance(status, int) else f"llama.cpp could not steer this request: {status}")
             return
-        for job, count in fed:
+        for job, take in group:
             seq = job.state
-            self._slot_tokens[seq.slot].extend(seq.feed[:count])
-            del seq.feed[:count]
+            self._slot_tokens[seq.slot].extend(take)
+            del seq.feed[:len(take)]
         for job, row in rows:
             self._draw(job, row)
 
