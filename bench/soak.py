@@ -157,8 +157,6 @@ class Soak:
             self.failures.append(f"chat: ended in an error: {r.text[:200]}")
 
     async def reload(self, http: httpx.AsyncClient, rng: random.Random) -> None:
-        if time.monotonic() - self.last_reload < self.args.reload_every:
-            return await self.stream(http, rng, drop=False)
         self.last_reload = time.monotonic()
         async with self.reload_lock:  # one unload and load at a time; requests keep coming meanwhile
             self.note("reload", await http.post("/v1/models/unload", params={"model": MODEL}))
@@ -166,7 +164,7 @@ class Soak:
             self.note("reload", await http.post("/v1/models/load", params={"model": MODEL}))
 
     async def key(self, http: httpx.AsyncClient, rng: random.Random) -> None:
-        if self.live_keys and rng.random() < 0.4:
+        if self.live_keys and rng.random() < 0.3:
             key_id = rng.choice(sorted(self.live_keys))
             plaintext = self.live_keys.pop(key_id)  # no other client revokes it meanwhile
             r = await http.delete(f"/v1/keys/{key_id}")
@@ -203,6 +201,8 @@ class Soak:
 
     async def one(self, http: httpx.AsyncClient, rng: random.Random, action: str) -> None:
         busy = self.busy
+        if action == "reload" and time.monotonic() - self.last_reload < self.args.reload_every:
+            action = "stream"  # too soon after the last reload
         try:
             if action in ("stream", "disconnect"):
                 await self.stream(http, rng, drop=action == "disconnect")
