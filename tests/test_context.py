@@ -184,6 +184,30 @@ def test_what_cannot_fit_even_after_compaction_is_refused(server: LocalmServer, 
     assert r.status_code == 400 and "even after compaction" in r.json()["error"]  # Ollama's status for it
 
 
+def test_a_max_tokens_that_fits_after_compaction_is_compacted_not_refused(oai: Any) -> None:
+    # 3,000 is more than a quarter of the window: the prompt is compacted to leave all of it
+    raw = oai.chat.completions.with_raw_response.create(model=MODEL, messages=LONG, max_tokens=3000,
+                                                        temperature=0, stop=["."])
+    assert raw.status_code == 200 and raw.headers["x-localm-context-compacted"] == "1"
+    r = raw.parse()
+    assert r.usage.prompt_tokens + 3000 <= TRAINED and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_max_tokens_no_compaction_can_make_room_for_is_a_400(server: LocalmServer, oai: Any) -> None:
+    # the system prompt, the latest message and a summary leave less than 8,000 tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=LONG, max_tokens=8000)
+    message = err.value.body["message"]
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "max_tokens"
+    assert message.startswith("Even after compaction the prompt takes ") and f"window of {TRAINED} tokens" in message
+    assert "max_tokens is 8000" in message
+    # a cap the window cannot hold at all is refused before anything is summarised
+    r = httpx.post(server.url + "/api/chat", timeout=300, json={"model": MODEL, "messages": LONG, "stream": False,
+                                                                "options": {"num_predict": TRAINED}})
+    assert r.status_code == 400 and "options.num_predict is 8192" in r.json()["error"], r.text
+    assert "x-localm-context-compacted" not in r.headers
+
+
 # --- Ollama's replies ------------------------------------------------------------------
 
 def test_unload_and_load_replies_parse_with_the_ollama_client(server: LocalmServer, olla: Any) -> None:

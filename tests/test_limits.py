@@ -62,6 +62,10 @@ FAILING: list[tuple[str, str, Any, int, str | None]] = [
     ("POST", "/v1/messages", {"model": MODEL, "max_tokens": 3, "messages": QUESTION * 10_001}, 400, None),
     ("POST", "/v1/messages/count_tokens", {"model": MODEL, "messages": QUESTION * 10_001}, 400, None),
     ("POST", "/v1/responses", {"model": MODEL, "input": QUESTION * 10_001}, 400, "limit_exceeded"),
+    # a reply cap past the window the prompt leaves ended the reply at the window, as if asked
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 9000}, 400,
+     "context_length_exceeded"),
+    ("POST", "/api/chat", {"model": MODEL, "messages": QUESTION, "options": {"num_predict": 9000}}, 400, None),
     # found by tests/test_fuzz.py: a NUL in a path was a 500 (ValueError from realpath)
     ("POST", f"/api/rag/collections/{COLLECTION}/remove-doc", {"path": "a\x00b"}, 404, "doc_not_found"),
     ("POST", f"/api/rag/collections/{COLLECTION}/add", {"paths": ["/tmp/a\x00b"]}, 400, "invalid_path"),
@@ -267,6 +271,83 @@ def test_a_nul_in_a_rag_path_is_a_4xx(keyed: Any) -> None:
     r = http.post(f"/api/rag/collections/{COLLECTION}/add", json={"paths": ["/tmp/x\x00y"]})
     assert r.status_code == 400 and r.json() == {"detail": "A path cannot hold a NUL character",
                                                  "code": "invalid_path"}, r.text
+
+
+# --- max_tokens against the context window ------------------------------------------------
+#: SmolLM2's window grows on demand up to the 8,192 tokens it was trained for: the ceiling a
+#: prompt and its reply must fit in together.
+CEILING = 8192
+
+
+def owner_key(http: httpx.Client) -> str:
+    return http.headers["Authorization"].split(" ", 1)[1]
+
+
+def test_max_tokens_that_does_not_fit_beside_the_prompt_is_a_400_and_one_that_fits_is_served(keyed: Any) -> None:
+    openai = pytest.importorskip("openai")
+    s, http = keyed
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key=owner_key(http), timeout=300, max_retries=0)
+    long = [{"role": "user", "content": "sea " * 8000}]
+    first = client.chat.completions.create(model=MODEL, messages=long, max_tokens=1, temperature=0)
+    prompt = first.usage.prompt_tokens
+    room = CEILING - prompt
+    assert 0 < room < 400, prompt
+    for stream in (False, True):  # a stream is refused before it starts: the SDK raises on create
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=long, max_tokens=room + 1, temperature=0,
+                                           stream=stream)
+        error = err.value.body
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert error["message"] == (f"The prompt is {prompt} tokens and max_tokens is {room + 1}: {CEILING + 1} "
+                                    f"tokens, more than the model's context window of {CEILING} tokens; set "
+                                    f"max_tokens to at most {room} or shorten the prompt")
+    # the same prompt with the whole room left is served, and the reply may fill it
+    r = client.chat.completions.create(model=MODEL, messages=long, max_completion_tokens=room, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= room
+    assert r.usage.model_extra["context_capacity"] == CEILING
+    still_serving(http)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cap_past_the_window_is_refused_on_every_surface(keyed: Any, stream: bool) -> None:
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    ollama = pytest.importorskip("ollama")
+    s, http = keyed
+    key = owner_key(http)
+    oai = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=CEILING, stream=stream)
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert f"max_tokens is {CEILING}" in err.value.body["message"] and f"of {CEILING} tokens" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt="The sea", max_tokens=CEILING, stream=stream)
+    assert err.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.responses.create(model=MODEL, input="Say hi.", max_output_tokens=10_000, stream=stream)
+    assert "max_output_tokens is 10000" in err.value.body["message"]
+
+    claude = anthropic.Anthropic(base_url=s.url, api_key=key, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=CEILING, stream=stream)
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    message = err.value.body["error"]["message"]
+    assert f"max_tokens is {CEILING}" in message and f"context window of {CEILING} tokens" in message
+
+    olla = ollama.Client(host=s.url, headers={"Authorization": f"Bearer {key}"})
+    capped = {"num_predict": 9000}
+    with pytest.raises(ollama.ResponseError) as err:
+        for _ in olla.chat(model=MODEL, messages=QUESTION, options=capped, stream=True) if stream else \
+                [olla.chat(model=MODEL, messages=QUESTION, options=capped)]:
+            pass
+    assert err.value.status_code == 400  # Ollama answers its 4xx as 400
+    assert "options.num_predict is 9000" in err.value.error and f"of {CEILING} tokens" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        for _ in olla.generate(model=MODEL, prompt="The sea", options=capped, stream=True) if stream else \
+                [olla.generate(model=MODEL, prompt="The sea", options=capped)]:
+            pass
+    assert err.value.status_code == 400 and "options.num_predict" in err.value.error
+    still_serving(http)
 
 
 def test_clean_shutdown_after_every_failing_input(keyed: Any) -> None:

@@ -10,7 +10,9 @@ prompt. Summaries are kept (per model, by the text they summarise), so the next 
 the same conversation does not pay for them again.
 
 What cannot fit even then (the tool definitions and the latest message alone fill the
-window) is refused with a 413 that says so.
+window) is refused with a 413 that says so. A client's max_tokens is room the compacted
+prompt must leave whole; when even the shortest prompt cannot leave it, the chat service
+refuses the request with a 400 that names the cap (TooLong.least).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ _SPEAKERS = {"user": "User", "assistant": "Assistant", "tool": "Tool result", "s
 
 
 def reply_room(max_tokens: int | None, window: int) -> int:
-    """The room a prompt must leave for the reply before it is compacted."""
+    """The room a prompt must leave for a reply whose cap the client did not set (the chat
+    plugin's default cap, or none) before it is compacted."""
     return max(1, min(max_tokens if max_tokens else REPLY_ROOM, window // 4))
 
 
@@ -54,8 +57,12 @@ def _text(message: dict[str, Any]) -> str:
 
 
 class TooLong(sdk.LocalmError):
-    def __init__(self, detail: str) -> None:
+    """``least``: the fewest tokens the prompt could take (by compaction's estimate);
+    ``compactable``: False when there was nothing older to summarise."""
+
+    def __init__(self, detail: str, least: int, compactable: bool = True) -> None:
         super().__init__(413, detail, code="context_length_exceeded")
+        self.least, self.compactable = least, compactable
 
 
 class Compactor:
@@ -74,12 +81,12 @@ class Compactor:
             lead += 1
         head, rest = messages[:lead], messages[lead:]
         if len(rest) < 2:  # nothing older to summarise
-            raise TooLong(self._why(engine, head, rest[-1] if rest else {"role": "user", "content": ""}, tools,
-                                    thinking, window, room))
+            raise self._too_long(engine, head, rest[-1] if rest else {"role": "user", "content": ""}, tools,
+                                 thinking, window, room, compactable=False)
         stub = self._with_summary(head, "x " * SUMMARY_TOKENS)
         fixed, _ = chat_tokens(engine, [*stub, rest[-1]], tools=tools, thinking=thinking)
         if len(fixed) + room > window:
-            raise TooLong(self._why(engine, head, rest[-1], tools, thinking, window, room))
+            raise self._too_long(engine, head, rest[-1], tools, thinking, window, room, least=len(fixed))
         budget = window - room - len(fixed) - MARGIN
         # the latest messages that fit beside the system prompt, the tools and a summary
         sizes = [len(engine.tokenize(_text(m), add_special=False, parse_special=False)) + 8 for m in rest]
@@ -101,7 +108,7 @@ class Compactor:
             compacted = [*self._with_summary(head, summary), *tail]
             prompt, opened = chat_tokens(engine, compacted, tools=tools, thinking=thinking)
         if len(prompt) >= window:
-            raise TooLong(self._why(engine, head, rest[-1], tools, thinking, window, room))
+            raise self._too_long(engine, head, rest[-1], tools, thinking, window, room, least=len(prompt))
         return prompt, opened, compacted
 
     @staticmethod
@@ -114,13 +121,14 @@ class Compactor:
         return [{"role": "system", "content": note}]
 
     @staticmethod
-    def _why(engine: Any, head: list[dict[str, Any]], last: dict[str, Any], tools: Any, thinking: Any,
-             window: int, room: int) -> str:
+    def _too_long(engine: Any, head: list[dict[str, Any]], last: dict[str, Any], tools: Any, thinking: Any,
+                  window: int, room: int, least: int | None = None, compactable: bool = True) -> TooLong:
         alone, _ = chat_tokens(engine, [*head, last], tools=tools, thinking=thinking)
         parts = "the system prompt, the tool definitions and the latest message" if tools is not None else \
             "the system prompt and the latest message"
-        return (f"The conversation does not fit the model's context window even after compaction: {parts} "
-                f"alone take {len(alone)} tokens, and the window is {window} tokens with {room} left for the reply")
+        return TooLong(f"The conversation does not fit the model's context window even after compaction: {parts} "
+                       f"alone take {len(alone)} tokens, and the window is {window} tokens with {room} left for "
+                       f"the reply", max(len(alone), least or 0), compactable)
 
     async def summarise(self, engine: Any, model: str, older: list[dict[str, Any]], window: int) -> str:
         """The summary of ``older``, in pieces that each fit one pass of the model."""

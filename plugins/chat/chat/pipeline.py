@@ -179,10 +179,26 @@ class Splitter:
 
 
 def check_fits(prompt_tokens: int, window: int) -> None:
+    """A prompt that alone fills the window (the ceiling it can grow to) is a 413."""
     if prompt_tokens >= window:
         raise sdk.LocalmError(413, f"The prompt is {prompt_tokens} tokens; the model's context window is "
                                    f"{window} tokens, which leaves no room for a reply",
                               code="context_length_exceeded")
+
+
+def check_reply_fits(prompt_tokens: int, max_tokens: int, window: int, name: str = "max_tokens", *,
+                     compacted: bool = False) -> None:
+    """A prompt that fits, with a client's reply cap (``name`` in the client's words) that does
+    not fit beside it, is a 400: the reply would end at the window, short of what was asked."""
+    if prompt_tokens + max_tokens <= window:
+        return
+    prompt = (f"Even after compaction the prompt takes {prompt_tokens} tokens" if compacted
+              else f"The prompt is {prompt_tokens} tokens")
+    room = window - prompt_tokens
+    fix = f"set {name} to at most {room}" if room > 0 else f"lower {name}"
+    raise sdk.LocalmError(400, f"{prompt} and {name} is {max_tokens}: {prompt_tokens + max_tokens} tokens, more than "
+                               f"the model's context window of {window} tokens; {fix} or shorten the prompt",
+                          code="context_length_exceeded", field=name)
 
 
 async def run(engine: Any, prompt: list[int], common: Any, received: float, outcome: Outcome,

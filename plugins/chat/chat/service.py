@@ -44,6 +44,9 @@ log = logging.getLogger("localm.plugin.chat")
 from .prompt import chat_tokens
 from .request import Common, Options, Reader, read_common, read_messages, read_options
 
+#: What each surface calls the reply cap its request's max_tokens came from (OpenAI: max_tokens).
+_CAP_NAMES = {"ollama": "options.num_predict", "responses": "max_output_tokens"}
+
 
 def fingerprint(entry: Any, engine: Any) -> str:
     """localm:<model>@<revision>:<dtype>/<quantization>:<engine>; an unknown part reads unrecorded."""
@@ -531,6 +534,7 @@ class ChatService:
                        received: float, chain: hooks.Chain, steering: Interventions,
                        fit: Any = None) -> Generation:
         host = self.host
+        asked = common.sampling.max_tokens  # the client's own cap, checked against the window
         common = self._capped(common)
         entry = host.models.resolve(common.model)
         if entry.role == "reranker":  # refused before it loads (and unloads another reranker)
@@ -556,14 +560,26 @@ class ChatService:
                                       code="field_not_honoured", field=min(steering.fields) if steering.fields
                                       else "steering")
             prompt, opened = render(engine)
-            # the window grows up to the model's ceiling; past it the conversation is compacted
+            # the window grows up to the model's ceiling; past it the conversation is compacted,
+            # leaving room for the whole reply the client asked for
             limit = caps.context_limit
-            room = compaction.reply_room(common.sampling.max_tokens, limit)
+            cap_name = _CAP_NAMES.get(chain.context.surface, "max_tokens")
+            if asked is not None and asked >= limit:  # no prompt, however compacted, leaves that room
+                pipeline.check_reply_fits(len(prompt), asked, limit, cap_name)
+            room = asked if asked is not None else compaction.reply_room(common.sampling.max_tokens, limit)
+            shortened = False
             if fit is not None and len(prompt) + room > limit:  # too long for the model: compact it
-                shorter = await fit(engine, entry, limit, room)
+                try:
+                    shorter = await fit(engine, entry, limit, room)
+                except compaction.TooLong as exc:
+                    if asked is not None and exc.least < limit:  # the prompt fits; the reply's room does not
+                        pipeline.check_reply_fits(exc.least, asked, limit, cap_name, compacted=exc.compactable)
+                    raise
                 if shorter is not None:
-                    prompt, opened = shorter
+                    (prompt, opened), shortened = shorter, True
             pipeline.check_fits(len(prompt), limit)
+            if asked is not None:
+                pipeline.check_reply_fits(len(prompt), asked, limit, cap_name, compacted=shortened)
         plan = pipeline.Plan(constraint=constraint, logprobs=options.logprobs, tools=options.tools,
                              reasoning=caps.reasoning and options.thinking is not False, thinking_open=opened,
                              interventions=tuple(steering.items), reads=tuple(r for r, _ in steering.reads),
