@@ -36,6 +36,24 @@ class Resident:
     unloading: bool = False
 
 
+@attrs.define(eq=False)
+class Hold:
+    """A model held beyond one ``async with``: from preparing a request to the end of its
+    generation, so an unload cannot begin in between. ``release()`` ends it (once); a hold
+    dropped without a release is released when it is collected."""
+
+    resident: Resident
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.resident.in_flight -= 1
+
+    def __del__(self) -> None:
+        self.release()
+
+
 class ModelManager:
     def __init__(self, kernel: Kernel) -> None:
         self._kernel = kernel
@@ -120,6 +138,15 @@ class ModelManager:
     @contextlib.asynccontextmanager
     async def use(self, name: str | None) -> AsyncIterator[Resident]:
         """Hold a model for one request: loaded on demand, never unloaded while held."""
+        hold = await self.hold(name)
+        try:
+            yield hold.resident
+        finally:
+            hold.release()
+
+    async def hold(self, name: str | None) -> Hold:
+        """``use`` without the block: the model stays held until ``release()`` (a request whose
+        reply streams after its handler returned holds it that long)."""
         entry = self.resolve(name)
         current = self.resident.get(entry.id)
         if current is not None and current.unloading:
@@ -128,10 +155,7 @@ class ModelManager:
         if resident.unloading:
             raise LocalmError(503, f"Model {entry.id} is being unloaded; retry in a moment", code="model_busy")
         resident.in_flight += 1
-        try:
-            yield resident
-        finally:
-            resident.in_flight -= 1
+        return Hold(resident)
 
     async def unload_one(self, name: str, grace: float = UNLOAD_GRACE_SECONDS) -> dict[str, Any]:
         entry = self.registry.get(name)

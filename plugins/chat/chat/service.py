@@ -30,7 +30,7 @@ import contextlib
 import copy
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import attrs
@@ -104,6 +104,9 @@ class Generation:
     #: fields added to the response: by the chat hooks (context.field) and, when the
     #: generation ends, by the forward_interventions readers
     extra: dict[str, Any] = attrs.Factory(dict)
+    #: the model held since the request was prepared (released when the generation ends), so
+    #: an unload cannot begin between the checks and the first token
+    hold: Any = None
 
     @property
     def context(self) -> hooks.ChatContext:
@@ -114,7 +117,12 @@ class Generation:
         """The engine's items. A constrained document the model ended itself is validated at
         the end: a failure raises 500 constrained_output_invalid after the last item."""
         content: list[str] = []
-        async with self.host.models.use(self.entry.id) as resident:
+        async with contextlib.AsyncExitStack() as stack:
+            if self.hold is not None:
+                stack.callback(self.hold.release)
+                resident = self.hold.resident
+            else:
+                resident = await stack.enter_async_context(self.host.models.use(self.entry.id))
             async for item in pipeline.run(resident.engine, self.prompt, self.common, self.received, self.outcome,
                                            self.host.metrics, self.plan):
                 if isinstance(item, pipeline.Piece):
@@ -193,6 +201,16 @@ class Generation:
                 reply.calls = list(message.get("tool_calls") or [])
         self.chain.statuses()  # status events have nowhere to go in a whole reply
         return reply
+
+
+@contextlib.contextmanager
+def _released_on_error(hold: Any) -> Iterator[Any]:
+    """The held model's resident; the hold is released if preparing the request fails."""
+    try:
+        yield hold.resident
+    except BaseException:
+        hold.release()
+        raise
 
 
 def _appended(message: dict[str, Any], text: str, reasoning: str) -> list[Any]:
@@ -539,11 +557,15 @@ class ChatService:
         entry = host.models.resolve(common.model)
         if entry.role == "reranker":  # refused before it loads (and unloads another reranker)
             raise sdk.LocalmError(400, f"{entry.id} is a reranker: use /v1/rerank", code="not_a_chat_model")
-        async with host.models.use(entry.id) as resident:
+        hold = await host.models.hold(entry.id)
+        with _released_on_error(hold) as resident:
             engine = resident.engine
             caps = engine.capabilities
             if caps.messages:  # it gets the request itself, images and audio included
-                return self._prepare_messages(entry, engine, common, options, headers, received, chain, steering)
+                generation = self._prepare_messages(entry, engine, common, options, headers, received, chain,
+                                                    steering)
+                generation.hold = hold
+                return generation
             if chain.media:
                 raise sdk.LocalmError(400, f"{chain.media[0]}: this model takes text only")
             constraint = options.constraint()
@@ -602,4 +624,4 @@ class ChatService:
         shown = common.model if common.model not in (None, "", "localm") else entry.id
         return Generation(host=host, entry=entry, prompt=prompt, fingerprint=fingerprint(entry, engine), plan=plan,
                           common=common, options=options, headers=headers, model=shown, received=received,
-                          chain=chain, reads=list(steering.reads), extra=shared.fields)
+                          chain=chain, reads=list(steering.reads), extra=shared.fields, hold=hold)
