@@ -40,8 +40,8 @@ class Settings:
     ctx_memory_mb: int = sdk.setting(4096, min=16, description="The memory a model's context (its KV cache) may take "
                                                                "as it grows, in MiB")
     n_threads: int = sdk.setting(0, min=0, description="CPU threads for generation (0: one per core)")
-    n_batch: int = sdk.setting(512, min=1, description="Tokens decoded per step: the running replies' next tokens "
-                                                       "and as much of a new prompt as fits")
+    n_batch: int = sdk.setting(512, min=1, description="Prompt tokens read per step beside the running replies' "
+                                                       "next tokens; a prompt is read in chunks of this size")
     n_parallel: int = sdk.setting(4, min=1, max=64, description="Requests a model decodes at once, in one batch a "
                                                                 "step; each has a window of its own (restart-free: "
                                                                 "takes effect when a model loads)")
