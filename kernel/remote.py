@@ -175,3 +175,32 @@ def pull_remote(registry: Any, source: str, *, name: str | None = None,
     added = registry.add(entry, replace=replace)
     store_key(registry.file.path.parent, added.id, key)
     return added
+
+
+#: base URL → (checked at, reachable): GET /v1/models asks each upstream at most once a few seconds.
+_REACHABLE: dict[str, tuple[float, bool]] = {}
+
+
+async def reachable(bases: list[str], *, timeout: float = 1.0, fresh_for: float = 2.0) -> dict[str, bool]:
+    """Whether each upstream answers HTTP now (any status: a 401 is an upstream that answers),
+    asked at once, each within ``timeout`` seconds; a recent answer is reused."""
+    import asyncio
+
+    import httpx
+
+    now = time.monotonic()
+    out = {b: _REACHABLE[b][1] for b in bases if b in _REACHABLE and now - _REACHABLE[b][0] < fresh_for}
+    ask = sorted(set(bases) - set(out))
+    if ask:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            async def one(base: str) -> bool:
+                try:
+                    await client.get(f"{base}/models")
+                    return True
+                except httpx.HTTPError:
+                    return False
+            answers = await asyncio.gather(*(one(b) for b in ask))
+        for base, ok in zip(ask, answers):
+            _REACHABLE[base] = (time.monotonic(), ok)
+            out[base] = ok
+    return out

@@ -343,4 +343,6 @@ def test_an_upstream_killed_mid_stream_ends_in_band_then_502(server: Any, lcp_se
     assert lcp_server[0][7:] in r.text and KEY not in r.text
     listed = server.owner().get("/v1/models")
     assert listed.status_code == 200
-    assert LCP_MODEL in {m["id"] for m in listed.json()["data"]}
+    listed = {m["id"]: m for m in listed.json()["data"]}
+    assert listed[LCP_MODEL]["remote"] == {"upstream": f"{lcp_server[0]}/v1", "reachable": False}
+    assert listed[LS_MODEL]["remote"]["reachable"] is True

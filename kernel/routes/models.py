@@ -78,7 +78,15 @@ async def list_models(request: Request) -> dict[str, Any]:
     entries = k.models.registry.entries()
     if k.models.locked is not None:  # a locked model is the only one listed
         entries = [e for e in entries if e.id == k.models.locked]
-    return {"object": "list", "data": [_summary(k, e) for e in entries]}
+    data = [_summary(k, e) for e in entries]
+    remote = {e.id: e.path for e in entries if e.type == "remote"}
+    if remote:  # a model another server runs: listed whether or not that server answers now
+        from ..remote import reachable
+        answers = await reachable(list(remote.values()))
+        for item in data:
+            if item["id"] in remote:
+                item["remote"] = {"upstream": remote[item["id"]], "reachable": answers[remote[item["id"]]]}
+    return {"object": "list", "data": data}
 
 
 @get("/v1/models/{model_id:path}", scope="models:read", access="open_read", error_family="openai",
