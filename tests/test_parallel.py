@@ -123,13 +123,14 @@ def test_logprobs_beside_others_equal_those_alone(client: openai.OpenAI) -> None
 def test_a_json_schema_stream_beside_a_plain_one_validates(client: openai.OpenAI) -> None:
     schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     replies = together(client, [
-        {"question": "Invent a person; answer in JSON.", "temperature": 0.7, "max_tokens": 60,
+        # room for the object: at 60 tokens a sampled name could run on past the cap (cut JSON)
+        {"question": "Invent a person; answer in JSON.", "temperature": 0.7, "seed": 11, "max_tokens": 200,
          "response_format": schema},
-        {"question": QUESTIONS[2], "temperature": 0.7, "max_tokens": 60},
+        {"question": QUESTIONS[2], "temperature": 0.7, "seed": 11, "max_tokens": 60},
     ])
     assert overlapped(replies)
+    assert replies[0].finish == "stop", replies[0].text
     jsonschema.validate(json.loads(replies[0].text), PERSON)
-    assert replies[0].finish == "stop"
     assert not replies[1].text.lstrip().startswith("{")
 
 
@@ -215,6 +216,47 @@ def test_a_follow_up_reuses_its_own_conversations_slot(engine: Any) -> None:
         assert tuple(engine._slot_tokens[slot_a][:len(follow)]) == follow  # A's slot took the follow-up
         assert tuple(engine._slot_tokens[1 - slot_a][:len(b)]) == b  # B's cache is untouched
     asyncio.run(go())
+
+
+def test_a_newcomer_takes_the_slot_that_keeps_the_busy_ones_in_a_row() -> None:
+    # llama.cpp decodes a step's sequences in one pass only when their ids follow each other
+    from localm.plugins.llamacpp.llamacpp import PREFIX_OVER_ROW, _pick_slot
+    busy = [True, False, True, False]
+    assert _pick_slot({1: 10, 3: 12}, busy, [0, 0, 0, 0]) == 1  # 0-2 in a row beats 2 more cached tokens
+    assert _pick_slot({1: 10, 3: 11 + PREFIX_OVER_ROW}, busy, [0, 0, 0, 0]) == 3  # a long conversation's own slot
+    assert _pick_slot({3: 0}, [True, True, True, False], [0, 0, 0, 0]) == 3
+    idle = [False] * 4
+    assert _pick_slot({0: 5, 1: 30, 2: 5, 3: 5}, idle, [0, 0, 0, 0]) == 1  # nothing runs: the longest prefix
+    assert _pick_slot({0: 5, 1: 5, 2: 5, 3: 5}, idle, [4, 3, 1, 2]) == 2  # then the least recently used
+
+
+def test_a_step_decodes_its_sequences_in_slot_order(engine: Any) -> None:
+    # two replies running in slots 1 and 0 (in arrival order) draw their tokens in one batch
+    # ordered 0, 1: one llama.cpp pass a step
+    import llama_cpp
+    greedy = spec.Sampling(temperature=0, max_tokens=6)
+    engine._slot_used[:] = [2.0, 1.0]  # slot 1 is the least recently used: the first request takes it
+    orders: list[list[int]] = []
+    real = llama_cpp.llama_decode
+
+    def spy(ctx: Any, batch: Any) -> int:
+        if batch.n_tokens > 1 and all(batch.logits[i] for i in range(batch.n_tokens)):
+            orders.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
+        return real(ctx, batch)
+
+    async def go() -> None:
+        first = asyncio.create_task(run(engine, spec.GenerateRequest(
+            prompt=prompt_of(engine, QUESTIONS[1]), sampling=greedy, cache_prompt=False)))
+        await asyncio.sleep(0)
+        await asyncio.gather(first, run(engine, spec.GenerateRequest(
+            prompt=prompt_of(engine, QUESTIONS[3]), sampling=greedy, cache_prompt=False)))
+
+    llama_cpp.llama_decode = spy
+    try:
+        asyncio.run(go())
+    finally:
+        llama_cpp.llama_decode = real
+    assert orders and all(order == sorted(order) for order in orders), orders
 
 
 def test_a_long_prompt_joins_without_stalling_a_running_stream(engine: Any) -> None:

@@ -233,6 +233,28 @@ class _Sequence:
         self.first: float | None = None
 
 
+#: A cached prefix this much longer than another slot's wins over keeping the busy slots in a row.
+PREFIX_OVER_ROW = 256
+
+
+def _pick_slot(prefix: dict[int, int], busy: list[bool], used: list[int]) -> int:
+    """The free slot for a newcomer, from ``prefix`` (free slot -> tokens its cache shares with
+    the prompt), which slots are busy and when each was last used.
+
+    llama.cpp decodes the running sequences' next tokens in one pass only when their ids follow
+    each other (one KV stream a sequence): busy slots 0, 1 and 3 take two passes a step. So the
+    slot that keeps the busy slots in the fewest runs wins, unless another slot's cache shares
+    ``PREFIX_OVER_ROW`` more tokens with the prompt (a follow-up turn of a long conversation);
+    then the longest shared prefix, then the least recently used."""
+    def runs(slot: int) -> int:
+        taken = [b or i == slot for i, b in enumerate(busy)]
+        return sum(1 for i, b in enumerate(taken) if b and (i == 0 or not taken[i - 1]))
+
+    best = max(prefix.values())
+    near = [slot for slot, n in prefix.items() if n >= best - PREFIX_OVER_ROW]
+    return min(near, key=lambda slot: (runs(slot), -prefix[slot], used[slot], slot))
+
+
 class LlamaEngine:
     engine = "llamacpp"
 
@@ -709,14 +731,11 @@ class LlamaEngine:
                 self._end(job, "error", f"The prompt is {len(prompt)} tokens; the context window is "
                                         f"{self._n_ctx_slot} tokens")
                 continue
-            slot, shared = free[0], -1
             reuse = request.cache_prompt and not (steer is not None and steer.reads)  # a read needs every row
-            for candidate in free:
-                n = _shared_prefix(self._slot_tokens[candidate], prompt) \
-                    if reuse and self._slot_key[candidate] == key else 0
-                if n > shared or (n == shared and self._slot_used[candidate] < self._slot_used[slot]):
-                    slot, shared = candidate, n
-            shared = min(shared, len(prompt) - 1)  # the last prompt token is decoded again for its logits
+            prefix = {candidate: _shared_prefix(self._slot_tokens[candidate], prompt)
+                      if reuse and self._slot_key[candidate] == key else 0 for candidate in free}
+            slot = _pick_slot(prefix, [user is not None for user in self._slot_user], self._slot_used)
+            shared = min(prefix[slot], len(prompt) - 1)  # the last prompt token is decoded again for its logits
             self._forget(slot, max(shared, 0))
             self._slot_key[slot] = key
             seq: _Sequence = job.state
@@ -746,7 +765,10 @@ class LlamaEngine:
         self._take()
         if not self._running:
             return
-        drawing = [(job, job.state.feed[:1]) for job in self._running if not job.state.prompting and job.state.feed]
+        # in slot order: over one KV stream a sequence, llama.cpp puts in one ubatch only
+        # sequences whose ids follow each other in the batch (2, 3, 0, 1 would be two passes)
+        drawing = sorted(((job, job.state.feed[:1]) for job in self._running
+                          if not job.state.prompting and job.state.feed), key=lambda item: item[0].state.slot)
         groups = [drawing] if drawing else []
         budget = self._n_batch
         for job in self._running:
