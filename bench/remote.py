@@ -3,14 +3,15 @@ localm to llama-server (--parallel 8) against the same 8 streams straight to lla
 
     .venv/bin/python bench/remote.py                    # about a minute
     .venv/bin/python bench/remote.py --pin              # llama-server on its own CPU (taskset)
-    .venv/bin/python bench/remote.py --streams 8 --tokens 128 --rounds 3
+    .venv/bin/python bench/remote.py --streams 8 --tokens 128 --rounds 5
 
 It builds llama-server (bench/llama_server.py, cached), starts it on SmolLM2-135M-Instruct
 (the default model's GGUF), starts ``localm serve --plugins chat,remote`` on a temporary data
 dir and registers the upstream with ``localm pull openai+http://.../v1#smol``. Each round runs
 the streams straight to llama-server, then through localm (the order alternates between
 rounds), each stream a /v1/completions request on a counting prompt that runs to max_tokens.
-The HTTP clients are made (and each warmed with one request) before the clock starts.
+The HTTP clients are made (and each warmed with one request, then one whole round per target
+that is not counted) before the clock starts.
 
 Reported: aggregate tokens/s (tokens of all streams over the wall time of the round) and the
 ratio localm/direct (target >= 0.95); time to first token per stream, p50 of each and the
@@ -103,6 +104,8 @@ async def measure(args: argparse.Namespace, direct: str, via: str, token: str) -
         for name, (url, extra, _) in targets.items():  # warm: connections open, prompt cached upstream
             await asyncio.gather(*(c.post(url, json={**body, **extra, "max_tokens": 4, "stream": False})
                                    for c in clients[name]))
+        for name, (url, extra, _) in targets.items():  # one whole round each, not counted
+            await round_of(clients[name], url, {**body, **extra})
         out: dict[str, dict[str, list[float]]] = {n: {"rate": [], "ttft": []} for n in targets}
         for r in range(args.rounds):
             order = list(targets) if r % 2 == 0 else list(reversed(targets))
@@ -126,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens of each stream")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="llama-server's -t")
     ap.add_argument("--pin", action="store_true", help="run llama-server on the last CPU only (taskset), "
                                                       "localm and this client on the others")

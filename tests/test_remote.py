@@ -126,6 +126,19 @@ def ask(text: str) -> list[dict[str, str]]:
 
 # --- registration -----------------------------------------------------------------------------
 
+def test_a_remote_source_splits_into_upstream_model_and_key() -> None:
+    from localm.kernel.errors import LocalmError
+    from localm.kernel.remote import parse_source
+    assert parse_source("openai+http://127.0.0.1:8000/v1#Qwen/Qwen2.5-7B") == (
+        "http://127.0.0.1:8000/v1", "Qwen/Qwen2.5-7B", None)
+    assert parse_source(f"openai+https://:{KEY}@gpu.example/v1/#m") == ("https://gpu.example/v1", "m", KEY)
+    assert parse_source(f"openai+http://{KEY}@[::1]:8080/v1#m") == ("http://[::1]:8080/v1", "m", KEY)
+    for bad in ("openai+http://127.0.0.1:8000/v1", "openai+http:///v1#m"):
+        with pytest.raises(LocalmError) as refused:
+            parse_source(bad)
+        assert refused.value.status == 400
+
+
 def test_pull_records_the_upstream_and_keeps_the_key_owner_only(server: Any, llama_server: str) -> None:
     registry = (server.data_dir / "models.json").read_text()
     assert KEY not in registry
@@ -246,6 +259,7 @@ def test_embeddings(oai: Any) -> None:
     out = oai.embeddings.create(model=LS_MODEL, input=["a cat", "a dog"])
     assert len(out.data) == 2 and len(out.data[0].embedding) == 576
     assert abs(sum(x * x for x in out.data[0].embedding) - 1) < 1e-3
+    assert 4 <= out.usage.prompt_tokens <= 8  # counted by llama-server's /tokenize
 
 
 def test_ollama_and_anthropic_sdks(server: Any) -> None:
