@@ -53,7 +53,8 @@ def keys_path(data_dir: Path) -> Path:
 
 
 def store_key(data_dir: Path, model: str, key: str | None) -> None:
-    """Keep (or, with None, forget) a remote model's key, in a file only the owner reads."""
+    """Keep (or, with None, forget) the key of a remote source (``openai+URL#model``, without the
+    key), in a file only the owner reads."""
     path = keys_path(data_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -173,7 +174,7 @@ def pull_remote(registry: Any, source: str, *, name: str | None = None,
     existing = registry.find(entry.id)
     replace = existing is not None and existing.type == "remote"
     added = registry.add(entry, replace=replace)
-    store_key(registry.file.path.parent, added.id, key)
+    store_key(registry.file.path.parent, added.source, key)  # by source: a copy or a rename keeps it
     return added
 
 

@@ -153,7 +153,7 @@ def test_pull_records_the_upstream_and_keeps_the_key_owner_only(server: Any, lla
     assert KEY not in entries[LCP_MODEL]["source"]
     keys = server.data_dir / "plugin-data" / "remote" / "keys.json"
     assert stat.S_IMODE(keys.stat().st_mode) == 0o600
-    assert json.loads(keys.read_text()) == {LCP_MODEL: KEY}
+    assert json.loads(keys.read_text()) == {entries[LCP_MODEL]["source"]: KEY}  # a rename keeps it
     assert KEY not in server.owner().get("/v1/models").text
 
 

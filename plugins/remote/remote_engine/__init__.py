@@ -484,7 +484,8 @@ def _message_of_dict(data: dict[str, Any]) -> str:
 
 
 def read_key(data_dir: Path, model: str) -> str | None:
-    """The key stored for a remote model (``plugin-data/remote/keys.json``), or None."""
+    """The key stored for a remote model's source (``plugin-data/remote/keys.json``, by
+    ``openai+URL#model``: a copy or a rename keeps it), or None."""
     try:
         keys = json.loads((Path(data_dir) / "keys.json").read_text())
     except (OSError, ValueError):
@@ -501,6 +502,6 @@ def register_settings(register):
 @sdk.hookimpl
 def register_engines(register, plugin):
     def load(entry: Any, options: dict[str, Any]) -> RemoteEngine:
-        return RemoteEngine(entry, {**plugin.settings, **options}, read_key(plugin.data_dir, entry.id))
+        return RemoteEngine(entry, {**plugin.settings, **options}, read_key(plugin.data_dir, entry.source))
 
     register("remote", load)
