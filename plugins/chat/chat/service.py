@@ -544,6 +544,7 @@ class ChatService:
         shown = common.model if common.model not in (None, "", "localm") else entry.id
         return Generation(host=self.host, entry=entry, prompt=[], fingerprint=fingerprint(entry, engine),
                           plan=pipeline.Plan(chat=spec.ChatInput(body=body, context=chain.context),
+                                             logprobs=options.logprobs, tools=options.tools,
                                              num_ctx=common.num_ctx, background=common.background),
                           common=common, options=options, headers=headers, model=shown, received=received,
                           chain=chain, extra=shared.fields)
