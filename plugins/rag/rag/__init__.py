@@ -42,6 +42,10 @@ class Settings:
         factory=list, owner_only=True, description="Folders the owner may index without consent (empty: the "
                                                    "home folder)")
     denied_roots: list[str] = sdk.setting(factory=list, owner_only=True, description="Folders never indexed")
+    chroma_url: str | None = sdk.setting(
+        None, owner_only=True, description="A Chroma server (http://host:port, e.g. `chroma run`) to keep the "
+                                           "vectors on instead of the embedded store (empty: embedded); chunk "
+                                           "text and the keyword index stay in this data folder")
     indexing_mode: Literal["ask", "strict", "open"] = sdk.setting(
         "ask", owner_only=True, description="Outside allowed_roots: ask (409 needs_consent until the owner "
                                             "consents), strict (refused), open (allowed)")

@@ -51,7 +51,7 @@ class Knowledge:
     def __init__(self, host: Any, plugin: Any) -> None:
         self.host = host
         self.plugin = plugin
-        self.store = Store(Path(plugin.data_dir))
+        self.store = Store(Path(plugin.data_dir), chroma_url=lambda: self.settings.get("chroma_url"))
         self._probes: dict[str, list[list[float]]] = {}
         self._dims: dict[str, int] = {}
         self.setup_job: Any = None

@@ -6,7 +6,8 @@ Layout under the plugin's data folder::
     collections/<name>/meta.db    SQLite (WAL): info, docs, chunks, and an FTS5 index of chunks
     collections/<name>/write.lock held by whoever writes the collection (any process)
     chroma/                        one chromadb PersistentClient; a chroma collection per
-                                   localm collection (its name is kept in info.chroma)
+                                   localm collection (its name is kept in info.chroma);
+                                   with the chroma_url setting, a Chroma server instead
 
 SQLite is the collection's truth: a chunk exists when its row does. Vectors are written to
 chroma before the rows that name them and removed after, so a crash at any point leaves the
@@ -27,6 +28,7 @@ import shutil
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -107,32 +109,49 @@ class Row:
 
 
 class Vectors:
-    """The embedded chromadb, opened on first use (importing chromadb takes a second or two).
+    """The vector store, opened on first use (importing chromadb takes a second or two): the
+    embedded chromadb in ``folder``, or a Chroma server when ``url()`` names one (the rag
+    plugin's ``chroma_url`` setting, read at each use, so a change applies without a restart).
 
     Never chroma's default embedding function (it reaches for the network): every vector
     comes from localm's embedder. Calls are serialised within the process.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, url: Any = None) -> None:
         self.folder = folder
+        self._url = url or (lambda: None)
+        self._opened: str | None = None  # the server the client talks to (None: embedded)
         self._client: Any = None
         self._error: str | None = None
         self._lock = threading.RLock()
 
     def client(self) -> Any:
         with self._lock:
+            url = (self._url() or "").strip() or None
+            if url != self._opened or (url and self._client is None):
+                # another store, or a server that did not answer last time: (re)open
+                self._client, self._error, self._opened = None, None, url
             if self._client is None and self._error is None:
                 try:
                     import chromadb
                     from chromadb.config import Settings
-                    self.folder.mkdir(parents=True, exist_ok=True)
-                    self._client = chromadb.PersistentClient(
-                        path=str(self.folder), settings=Settings(anonymized_telemetry=False, allow_reset=False))
+                    settings = Settings(anonymized_telemetry=False, allow_reset=False)
+                    if url:
+                        parts = urllib.parse.urlsplit(url)
+                        if parts.scheme not in ("http", "https") or not parts.hostname:
+                            raise ValueError(f"chroma_url is not an http(s) URL: {url}")
+                        self._client = chromadb.HttpClient(
+                            host=parts.hostname, port=parts.port or (443 if parts.scheme == "https" else 8000),
+                            ssl=parts.scheme == "https", settings=settings)
+                    else:
+                        self.folder.mkdir(parents=True, exist_ok=True)
+                        self._client = chromadb.PersistentClient(path=str(self.folder), settings=settings)
                 except ImportError as exc:
                     self._error = f"chromadb cannot be imported ({exc}): pip install 'localm[rag]'"
                     log.error("chromadb: %s", self._error)
                 except Exception as exc:  # a store chromadb cannot open: lexical search still works
-                    self._error = f"the vector store cannot be opened: {type(exc).__name__}: {exc}"
+                    where = f"the Chroma server {url}" if url else "the vector store"
+                    self._error = f"{where} cannot be opened: {type(exc).__name__}: {exc}"
                     log.error("chromadb: %s", self._error)
             if self._client is None:
                 raise VectorsUnavailable(self._error or "the vector store is not available")
@@ -422,10 +441,10 @@ class Collection:
 class Store:
     """Every collection under ``root``, and the vectors beside them."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, chroma_url: Any = None) -> None:
         self.root = Path(data_dir) / "collections"
         self.root.mkdir(parents=True, exist_ok=True)
-        self.vectors = Vectors(Path(data_dir) / "chroma")
+        self.vectors = Vectors(Path(data_dir) / "chroma", chroma_url)
         self._create = threading.Lock()
 
     def names(self) -> list[str]:
