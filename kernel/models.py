@@ -159,6 +159,9 @@ class Registry:
         def apply(current: dict[str, Any]) -> dict[str, Any]:
             return {**current, "models": [m for m in current.get("models", []) if m.get("id") != entry.id]}
         self.file.update(apply)
+        if entry.type == "remote" and not any(e.source == entry.source for e in self.entries()):
+            from .remote import store_key  # the last entry of that upstream model: its key goes too
+            store_key(self.file.path.parent, entry.source, None)
         return entry
 
     def rename(self, name: str, new_name: str) -> tuple[ModelEntry, str]:

@@ -168,6 +168,21 @@ def test_pull_through_the_api_and_an_unreachable_upstream(server: Any, llama_ser
     assert f"127.0.0.1:{port}" in r.text and KEY not in r.text
 
 
+def test_removing_the_last_entry_of_an_upstream_model_forgets_its_key(server: Any, llama_server: str) -> None:
+    keys = server.data_dir / "plugin-data" / "remote" / "keys.json"
+    other_base = llama_server.replace("127.0.0.1", "localhost")  # another source than LS_MODEL's
+    for name in ("keyed-a", "keyed-b"):
+        done = server.cli("pull", f"openai+http://:tmpkey@{other_base[7:]}/v1#smol", "--name", name)
+        assert done.returncode == 0, done.stderr
+    source = f"openai+{other_base}/v1#smol"
+    assert json.loads(keys.read_text())[source] == "tmpkey"
+    assert server.cli("rm", "keyed-a").returncode == 0
+    assert json.loads(keys.read_text())[source] == "tmpkey"  # keyed-b still uses it
+    assert server.cli("rm", "keyed-b").returncode == 0
+    assert source not in json.loads(keys.read_text())
+    assert KEY in keys.read_text()  # the other models' keys stay
+
+
 # --- chat -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model", [LS_MODEL, LCP_MODEL])
