@@ -401,14 +401,9 @@ class RemoteEngine:
         try:
             with httpx.Client(headers=self._sync_headers, timeout=self._timeout) as client:
                 answer = client.post(call[0], json=call[1])
-            tokens = answer.json().get("tokens") if answer.status_code < 400 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            tokens = None
-        if not isinstance(tokens, list):
-            return self._estimate(text)
-        out = [t if isinstance(t, int) else 0 for t in tokens]
-        self._counted[(text, add_special)] = out
-        return out
+        except httpx.HTTPError:
+            answer = None
+        return self._counted_tokens(text, add_special, answer)
 
     async def count(self, text: str, add_special: bool = True) -> list[int]:
         """:meth:`tokenize` without blocking the event loop."""
@@ -420,8 +415,15 @@ class RemoteEngine:
             return self._estimate(text)
         try:
             answer = await self._client.post(call[0], json=call[1])
-            tokens = answer.json().get("tokens") if answer.status_code < 400 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except httpx.HTTPError:
+            answer = None
+        return self._counted_tokens(text, add_special, answer)
+
+    def _counted_tokens(self, text: str, add_special: bool, answer: Any) -> list[int]:
+        """The tokens a tokenize answer holds (remembered, at most 4096 texts), or the estimate."""
+        try:
+            tokens = answer.json().get("tokens") if answer is not None and answer.status_code < 400 else None
+        except (ValueError, AttributeError):
             tokens = None
         if not isinstance(tokens, list):
             return self._estimate(text)
