@@ -355,6 +355,31 @@ def test_a_client_that_leaves_closes_the_upstream_stream(server: Any, llama_serv
     assert _metric(llama_server, "n_decode_total") == decoded
 
 
+def _upstream_ports(server: Any, upstream: str) -> set[int]:
+    """The local ports of the server's open connections to ``upstream``."""
+    import psutil
+    port = int(upstream.rsplit(":", 1)[1])
+    return {c.laddr.port for c in psutil.Process(server.proc.pid).net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
+
+
+def test_a_stream_read_to_its_end_leaves_the_connection_for_the_next(server: Any, oai: Any,
+                                                                     lcp_server: tuple[str, Any]) -> None:
+    # llama-cpp-python's server keeps a connection open after a stream (llama-server closes it):
+    # the body is read past [DONE] to its end, so the pool keeps the connection and the next
+    # request skips the connect
+    def stream() -> None:
+        chunks = list(oai.chat.completions.create(model=LCP_MODEL, messages=ask("Say hello."), max_tokens=4,
+                                                  temperature=0, stream=True))
+        assert chunks
+    stream()
+    held = _upstream_ports(server, lcp_server[0])
+    assert held
+    for _ in range(3):
+        stream()
+        assert _upstream_ports(server, lcp_server[0]) <= held
+
+
 # --- the upstream goes away (keep these last: they kill llama-cpp-python's server) -------------
 
 def test_an_upstream_killed_mid_stream_ends_in_band_then_502(server: Any, lcp_server: tuple[str, Any]) -> None:

@@ -315,8 +315,8 @@ class RemoteEngine:
                     if not line.startswith("data:"):
                         continue
                     payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        break
+                    if payload == "[DONE]":  # read on to the body's end: an upstream that keeps the
+                        continue            # connection open gets it back in the pool (llama-server closes it)
                     try:
                         data = json.loads(payload)
                     except ValueError:
