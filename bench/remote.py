@@ -4,6 +4,7 @@ localm to llama-server (--parallel 8) against the same 8 streams straight to lla
     .venv/bin/python bench/remote.py                    # about a minute
     .venv/bin/python bench/remote.py --pin              # llama-server on its own CPU (taskset)
     .venv/bin/python bench/remote.py --streams 8 --tokens 128 --rounds 5
+    .venv/bin/python bench/remote.py --echo             # localm's own cost: an upstream that costs nothing
 
 It builds llama-server (bench/llama_server.py, cached), starts it on SmolLM2-135M-Instruct
 (the default model's GGUF), starts ``localm serve --plugins chat,remote`` on a temporary data
@@ -16,6 +17,12 @@ that is not counted) before the clock starts.
 Reported: aggregate tokens/s (tokens of all streams over the wall time of the round) and the
 ratio localm/direct (target >= 0.95); time to first token per stream, p50 of each and the
 overhead (target < 5 ms).
+
+``--echo`` puts bench/echo_upstream.py in llama-server's place: it answers every request at
+once with one token and notes when each request reached it, so what is left is localm's own
+forwarding cost. It reports, for the streams sent at once, when the first, the middle and the
+last of them reached the upstream (median over the rounds, from the round's start) and the
+TTFT p50, straight and through localm.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -85,13 +93,21 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict, start: flo
     return (first if first is not None else float("nan")), tokens
 
 
-async def round_of(clients: list[httpx.AsyncClient], url: str, body: dict) -> tuple[float, list[float], int]:
-    """(aggregate tokens/s, first-token times, tokens) of the streams run at once."""
-    start = time.perf_counter()
+async def round_of(clients: list[httpx.AsyncClient], url: str, body: dict,
+                   arrivals: str | None = None) -> tuple[float, list[float], int]:
+    """(aggregate tokens/s, first-token times, tokens) of the streams run at once; with
+    ``arrivals`` (the echo upstream's URL), the first-token times are followed by when the
+    requests reached the upstream (seconds after the round's start, in order)."""
+    start, epoch = time.perf_counter(), time.time()
     results = await asyncio.gather(*(one_stream(c, url, body, start) for c in clients))
     wall = time.perf_counter() - start
     tokens = sum(n for _, n in results)
-    return tokens / wall, [t for t, _ in results], tokens
+    ttfts = [t for t, _ in results]
+    if arrivals is not None:
+        async with httpx.AsyncClient() as client:
+            seen = (await client.get(f"{arrivals}/arrivals")).json()
+        ttfts.extend(sorted(a - epoch for a in seen))
+    return tokens / wall, ttfts, tokens
 
 
 async def measure(args: argparse.Namespace, direct: str, via: str, token: str) -> dict:
@@ -106,13 +122,20 @@ async def measure(args: argparse.Namespace, direct: str, via: str, token: str) -
                                    for c in clients[name]))
         for name, (url, extra, _) in targets.items():  # one whole round each, not counted
             await round_of(clients[name], url, {**body, **extra})
-        out: dict[str, dict[str, list[float]]] = {n: {"rate": [], "ttft": []} for n in targets}
+        out: dict[str, dict[str, list[Any]]] = {n: {"rate": [], "ttft": [], "arrivals": []} for n in targets}
+        echo = direct if args.echo else None
+        if echo is not None:
+            async with httpx.AsyncClient() as client:
+                await client.get(f"{echo}/arrivals")  # forget the warming rounds
         for r in range(args.rounds):
             order = list(targets) if r % 2 == 0 else list(reversed(targets))
             for name in order:
                 url, extra, _ = targets[name]
-                rate, ttfts, tokens = await round_of(clients[name], url, {**body, **extra})
-                if tokens < args.streams * args.tokens * 0.9:
+                rate, ttfts, tokens = await round_of(clients[name], url, {**body, **extra}, echo)
+                if echo is not None:
+                    ttfts, reached = ttfts[:args.streams], ttfts[args.streams:]
+                    out[name]["arrivals"].append(reached)
+                elif tokens < args.streams * args.tokens * 0.9:
                     print(f"  note: {name} round {r + 1} produced {tokens} tokens", file=sys.stderr)
                 out[name]["rate"].append(rate)
                 out[name]["ttft"].extend(ttfts)
@@ -133,14 +156,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="llama-server's -t")
     ap.add_argument("--pin", action="store_true", help="run llama-server on the last CPU only (taskset), "
                                                       "localm and this client on the others")
+    ap.add_argument("--echo", action="store_true", help="an upstream that answers at once with one token "
+                                                       "(bench/echo_upstream.py): localm's own forwarding cost")
     args = ap.parse_args()
+    if args.echo:
+        args.tokens = 1
 
     from localm.sdk.testing import LocalmServer
 
-    binary = ensure()
     port = free_port()
-    cmd = [str(binary), "-m", str(gguf()), "--host", "127.0.0.1", "--port", str(port),
-           "-c", str(args.streams * 512), "--parallel", str(args.streams), "-t", str(args.threads)]
+    if args.echo:
+        cmd = [sys.executable, str(ROOT / "bench" / "echo_upstream.py"), str(port)]
+        ready, served = "/v1/models", "the echo upstream"
+    else:
+        cmd = [str(ensure()), "-m", str(gguf()), "--host", "127.0.0.1", "--port", str(port),
+               "-c", str(args.streams * 512), "--parallel", str(args.streams), "-t", str(args.threads)]
+        ready, served = "/health", f"llama-server -t {args.threads} --parallel {args.streams}"
     cpus = os.cpu_count() or 1
     if args.pin and cpus > 1:
         cmd = ["taskset", "-c", str(cpus - 1), *cmd]
@@ -151,17 +182,16 @@ def main() -> None:
         server = None
         try:
             direct = f"http://127.0.0.1:{port}"
-            wait_for(f"{direct}/health", upstream)
+            wait_for(f"{direct}{ready}", upstream)
             data = Path(tmp) / "data"
             server = LocalmServer(data, plugins=["chat", "remote"])
-            pulled = server.cli("pull", f"openai+{direct}/v1#smol")
+            pulled = server.cli("pull", f"openai+{direct}/v1#{'echo' if args.echo else 'smol'}", "--name", "smol")
             if pulled.returncode != 0:
                 raise SystemExit(pulled.stderr + pulled.stdout)
             (data / "config.json").write_text(json.dumps({"plugins": {"remote": {"concurrency": args.streams}}}))
             server.start()
-            print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds; llama-server -t "
-                  f"{args.threads} --parallel {args.streams}{' pinned to CPU ' + str(cpus - 1) if args.pin else ''}; "
-                  f"{cpus} CPUs", flush=True)
+            print(f"{args.streams} streams x {args.tokens} tokens, {args.rounds} rounds; {served}"
+                  f"{' pinned to CPU ' + str(cpus - 1) if args.pin else ''}; {cpus} CPUs", flush=True)
             out = asyncio.run(measure(args, direct, server.url, server.token))
         finally:
             if server is not None:
@@ -172,6 +202,14 @@ def main() -> None:
     rate = {n: statistics.median(v["rate"]) for n, v in out.items()}
     ttft = {n: statistics.median(v["ttft"]) * 1000 for n, v in out.items()}
     print()
+    if args.echo:
+        print(f"{'':8s}{'reached the upstream after: first':>36s}{'middle':>10s}{'last':>10s}{'TTFT p50':>12s}")
+        for name in ("direct", "localm"):
+            rounds = [r for r in out[name]["arrivals"] if r]
+            at = [statistics.median(r[i] for r in rounds) * 1000 for i in (0, len(rounds[0]) // 2, -1)]
+            print(f"{name:8s}{at[0]:33.2f} ms{at[1]:7.2f} ms{at[2]:7.2f} ms{ttft[name]:9.2f} ms")
+        print(f"\nTTFT overhead p50 with an upstream that costs nothing: {ttft['localm'] - ttft['direct']:+.2f} ms")
+        return
     print(f"{'':8s}{'tok/s (median round)':>22s}{'TTFT p50':>12s}")
     for name in ("direct", "localm"):
         print(f"{name:8s}{rate[name]:22.1f}{ttft[name]:10.1f} ms")
