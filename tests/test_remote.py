@@ -268,11 +268,20 @@ def test_what_an_upstream_does_not_honour_is_refused(server: Any) -> None:
     assert r.json()["error"]["code"] == "field_not_honoured"
 
 
-def test_an_upstream_refusal_passes_through(server: Any) -> None:
+def test_an_upstream_refusal_passes_through(server: Any, oai: Any) -> None:
     r = server.owner().post("/v1/chat/completions", json={"model": LS_MODEL, "messages": ask("hi " * 1500),
                                                           "max_tokens": 4})
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    # streamed too: the request reaches the upstream before localm's stream opens, so its
+    # refusal is still an HTTP status (no 200 with the error in the stream)
+    import openai
+    with pytest.raises(openai.APIStatusError) as refused:
+        oai.chat.completions.create(model=LS_MODEL, messages=ask("hi " * 1500), max_tokens=4, stream=True)
+    assert refused.value.status_code == 413 and "context_length_exceeded" in str(refused.value.body)
+    with server.owner() as http, http.stream("POST", "/v1/completions", json={
+            "model": LS_MODEL, "prompt": "hi " * 1500, "max_tokens": 4, "stream": True}) as r:
+        assert r.status_code == 413
 
 
 def test_embeddings(oai: Any) -> None:
@@ -298,6 +307,24 @@ def test_ollama_and_anthropic_sdks(server: Any) -> None:
     assert text
     with claude.messages.stream(model=LS_MODEL, max_tokens=6, messages=ask("Say hello."), **greedy) as s:
         assert "".join(s.text_stream) == text
+
+
+def test_count_tokens_is_the_upstreams_count(server: Any, llama_server: str) -> None:
+    import anthropic
+    claude = anthropic.Anthropic(base_url=server.url, api_key=server.token, max_retries=0)
+    messages = ask("Say hello to the people of the world.")
+    counted = claude.messages.count_tokens(model=LS_MODEL, messages=messages).input_tokens
+    read = claude.messages.create(model=LS_MODEL, max_tokens=2, messages=messages).usage.input_tokens
+    assert counted == read > 10  # templated and counted by llama-server, as it reads the request
+    rendered = httpx.post(f"{llama_server}/apply-template", json={"messages": messages}).json()["prompt"]
+    assert "Say hello to the people of the world." in rendered
+    # llama-cpp-python's server cannot template a chat for localm: each message counted, plus
+    # a few tokens each for the template
+    estimated = claude.messages.count_tokens(model=LCP_MODEL, messages=messages).input_tokens
+    assert 10 <= estimated <= 30
+    # the count holds no model: it unloads at once
+    assert server.cli("stop", LS_MODEL).returncode == 0
+    assert LS_MODEL not in server.cli("ps").stdout
 
 
 def test_many_streams_at_once(server: Any) -> None:
@@ -400,6 +427,10 @@ def test_an_upstream_killed_mid_stream_ends_in_band_then_502(server: Any, lcp_se
     r = server.owner().post("/v1/chat/completions", json={"model": LCP_MODEL, "messages": ask("hi"), "max_tokens": 4})
     assert r.status_code == 502, r.text
     assert lcp_server[0][7:] in r.text and KEY not in r.text
+    with server.owner() as http, http.stream("POST", "/v1/chat/completions", json={
+            "model": LCP_MODEL, "messages": ask("hi"), "max_tokens": 4, "stream": True}) as r:
+        assert r.status_code == 502  # a streamed request too: refused before its stream opens
+        assert KEY not in r.read().decode()
     listed = server.owner().get("/v1/models")
     assert listed.status_code == 200
     listed = {m["id"]: m for m in listed.json()["data"]}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -107,6 +108,8 @@ class Generation:
     #: the model held since the request was prepared (released when the generation ends), so
     #: an unload cannot begin between the checks and the first token
     hold: Any = None
+    #: what prime() read ahead: the items, and the generation they came from
+    primed: tuple[list[Any], Any] | None = None
 
     @property
     def context(self) -> hooks.ChatContext:
@@ -138,6 +141,33 @@ class Generation:
                 self.extra.update(await asyncio.to_thread(done, rows, list(self.prompt),
                                                           list(self.outcome.token_ids)) or {})
 
+    async def prime(self) -> None:
+        """Start the generation and read its first item (the engine's first event) ahead, for
+        a streamed reply from an engine that answers whole requests: the request reaches the
+        engine (an upstream server) before the response opens, and a refusal it meets before
+        it begins (the upstream's 413, an unreachable upstream's 502) is raised here, where it
+        is still an HTTP status. items() and reply() go on from what was read."""
+        source = self._generate()
+        try:
+            ahead = [await source.__anext__()]
+        except StopAsyncIteration:
+            ahead = []
+        self.primed = (ahead, source)
+
+    def _generated(self) -> AsyncIterator[Any]:
+        """The engine's items: a primed generation's read-ahead items first, then the rest."""
+        if self.primed is None:
+            return self._generate()
+        (ahead, source), self.primed = self.primed, None
+
+        async def ahead_then_rest() -> AsyncIterator[Any]:
+            async with contextlib.aclosing(source):
+                for item in ahead:
+                    yield item
+                async for item in source:
+                    yield item
+        return ahead_then_rest()
+
     async def items(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning | pipeline.Call]:
         """Generate a streamed reply: each item as the chat_stream hooks leave it (the inlet
         hooks' status events first); when the reply ends the chat_outlet hooks run on the whole
@@ -163,7 +193,7 @@ class Generation:
         for status in chain.statuses():
             for out in await sent(status):
                 yield out
-        async with contextlib.aclosing(self._generate()) as generated:
+        async with contextlib.aclosing(self._generated()) as generated:
             async for item in generated:
                 for out in await sent(item):
                     yield out
@@ -183,7 +213,7 @@ class Generation:
     async def reply(self) -> Reply:
         """The whole reply (for a non-streaming request), after the chat_outlet hooks."""
         reply = Reply()
-        async with contextlib.aclosing(self._generate()) as generated:
+        async with contextlib.aclosing(self._generated()) as generated:
             async for item in generated:
                 if isinstance(item, pipeline.Piece):
                     reply.content.append(item.text)
@@ -418,9 +448,23 @@ class ChatService:
     async def count_tokens(self, body: dict[str, Any], *, route: str = "anthropic.count_tokens",
                            request: Any = None, extra: dict[str, Any] | None = None) -> int:
         """The prompt tokens a chat ``body`` would take (its messages, tools and template, after
-        the chat_inlet hooks), loading the model that would answer it."""
+        the chat_inlet hooks), loading the model that would answer it. An engine that answers
+        whole chat requests counts them with its ``count_request(body)`` where it has one (the
+        remote engine asks its upstream); else the request's messages are estimated at 4
+        characters a token."""
         generation = await self.chat(body, route=route, request=request, extra=extra, compact=False)
-        return len(generation.prompt)
+        try:
+            if generation.plan.chat is None:
+                return len(generation.prompt)
+            whole = generation.plan.chat.body
+            counter = getattr(generation.hold.resident.engine, "count_request", None) \
+                if generation.hold is not None else None
+            if counter is not None:
+                return int(await counter(whole))
+            return max(1, -(-len(json.dumps(whole.get("messages") or whole.get("prompt") or "")) // 4))
+        finally:
+            if generation.hold is not None:  # nothing is generated: the model is free to unload
+                generation.hold.release()
 
     # --- the steps of chat and complete -------------------------------------------------------
     async def _admit(self, kind: str, body: dict[str, Any], read: Any, *, route: str, request: Any,
@@ -566,6 +610,8 @@ class ChatService:
                 generation = self._prepare_messages(entry, engine, common, options, headers, received, chain,
                                                     steering)
                 generation.hold = hold
+                if common.stream:
+                    await generation.prime()
                 return generation
             if chain.media:
                 raise sdk.LocalmError(400, f"{chain.media[0]}: this model takes text only")

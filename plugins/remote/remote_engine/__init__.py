@@ -18,7 +18,9 @@ request whole (the OpenAI body after the chat inlet hooks) and streams the upstr
   in-band.
 - Tokenising (token counts) uses the upstream's tokenize endpoint where it has one
   (llama-server ``/tokenize``, llama-cpp-python ``/extras/tokenize``, vLLM and SGLang
-  ``/tokenize``), else an estimate of 4 characters a token (``RemoteEngine.estimated``).
+  ``/tokenize``), else an estimate of 4 characters a token (``RemoteEngine.estimated``). A
+  whole chat request is counted as the upstream templates it (``count_request``: what
+  Anthropic's count_tokens answers).
 """
 
 from __future__ import annotations
@@ -432,6 +434,45 @@ class RemoteEngine:
             self._counted.clear()
         self._counted[(text, add_special)] = out
         return out
+
+    async def count_request(self, body: dict[str, Any]) -> int:
+        """The prompt tokens the upstream reads for a whole request ``body`` (a chat's
+        ``messages``, or a text ``prompt``): counted by the upstream where it can template a chat
+        (llama-server's ``/apply-template`` then ``/tokenize``; vLLM's and SGLang's ``/tokenize``
+        with the messages), else each message's text counted with 4 tokens a message for the
+        template, or the estimate (``estimated`` turns True for both)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return len(await self.count(prompt))
+        messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+        root = _root(self.base)
+        try:
+            if self.kind == "llama-server":
+                extra = {k: body[k] for k in ("tools",) if body.get(k)}
+                answer = await self._client.post(f"{root}/apply-template", json={"messages": messages, **extra})
+                rendered = answer.json().get("prompt") if answer.status_code < 400 else None
+                if isinstance(rendered, str):
+                    return len(await self.count(rendered))
+            elif self.kind in ("vllm", "sglang"):
+                extra = {k: body[k] for k in ("tools",) if body.get(k)}
+                answer = await self._client.post(f"{root}/tokenize", json={
+                    "model": self.model, "messages": messages, "add_generation_prompt": True, **extra})
+                data = answer.json() if answer.status_code < 400 else None
+                if isinstance(data, dict) and isinstance(data.get("count"), int):
+                    return int(data["count"])
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        texts = []
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):  # parts: the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            texts.append(content if isinstance(content, str) else json.dumps(message))
+        self.estimated = True
+        counted = [len(await self.count(text)) if text else 0 for text in texts]
+        return sum(counted) + 4 * len(messages) + 1
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         """One L2-normalised vector per text, from the upstream's /v1/embeddings."""
