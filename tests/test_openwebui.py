@@ -479,7 +479,8 @@ def test_a_slow_sync_filter_runs_off_the_event_loop(server: Any, owner: httpx.Cl
 
 def test_a_toggle_filter_runs_only_when_a_request_asks_for_it(server: Any, clients: dict[str, Any]) -> None:
     durian = [{"role": "user", "content": "I would like a durian smoothie"}]
-    assert say(clients, "openai", durian, max_tokens=1)  # not asked for: it does not run
+    say(clients, "openai", durian, max_tokens=1)  # not asked for: it does not run (no refusal; the
+    # one token may be the end of the reply, so its text may be empty)
     message = refusal(lambda: say(clients, "openai", durian, max_tokens=1, filter_ids=["word_guard"]))
     assert "The word 'durian' is not allowed here." in message
     message = refusal(lambda: say(clients, "anthropic", durian, max_tokens=1, filter_ids=["word_guard"]))
