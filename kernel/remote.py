@@ -10,7 +10,9 @@ appears in the registry, the model's source or an error message.
 Pulling asks the upstream's ``/v1/models`` for the model and records what it reports: its context
 window (vLLM's and SGLang's ``max_model_len``, llama-server's ``/props`` window or
 ``meta.n_ctx_train``), and which kind of server it is. The ``remote`` engine plugin serves the
-model.
+model. ``?tokenizer=NAME`` in the URL (a registered GGUF model, a .gguf file or a
+tokenizer.json) names a tokenizer on this machine that counts the model's tokens where the
+upstream has no tokenize endpoint.
 """
 
 from __future__ import annotations
@@ -46,6 +48,29 @@ def parse_source(source: str) -> tuple[str, str, str | None]:
     netloc = f"{host}:{parts.port}" if parts.port else host
     base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
     return base, model, key
+
+
+def tokenizer_of(source: str) -> str | None:
+    """The local tokenizer a remote source names in its URL's query (``?tokenizer=NAME``: a
+    registered GGUF model, a .gguf file or a tokenizer.json), or None."""
+    url = source.split("+", 1)[1].partition("#")[0]
+    found = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query).get("tokenizer")
+    return found[0].strip() or None if found else None
+
+
+def _tokenizer_path(registry: Any, name: str) -> str:
+    """The file a ``?tokenizer=`` names: a registered GGUF model's, or a .gguf file or a
+    tokenizer.json (or a folder holding one) on this machine."""
+    entry = registry.find(name)
+    if entry is not None and entry.type == "gguf" and Path(entry.path).is_file():
+        return str(Path(entry.path).resolve())
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
+    if path.is_file() and (path.suffix == ".gguf" or path.name.endswith("tokenizer.json")):
+        return str(path.resolve())
+    raise LocalmError(400, f"tokenizer={name}: not a registered GGUF model, a .gguf file or a tokenizer.json",
+                      code="invalid_tokenizer")
 
 
 def keys_path(data_dir: Path) -> Path:
@@ -165,10 +190,12 @@ def pull_remote(registry: Any, source: str, *, name: str | None = None,
     from .models import ModelEntry, model_id
 
     base, model, key = parse_source(source)
+    named = tokenizer_of(source)
+    tokenizer = _tokenizer_path(registry, named) if named else None  # refused before the upstream is asked
     log(f"Asking {base} about {model}")
     found = probe(base, model, key)
     new_id = model_id(name or model.rsplit("/", 1)[-1])
-    caps = {"upstream": base, **found}
+    caps = {"upstream": base, **found, **({"tokenizer": tokenizer} if tokenizer else {})}
     entry = ModelEntry(id=new_id, path=base, source=f"openai+{base}#{model}", type="remote", role="chat",
                        capabilities=caps, created=time.time(), engine="remote")
     existing = registry.find(entry.id)

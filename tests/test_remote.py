@@ -327,6 +327,45 @@ def test_count_tokens_is_the_upstreams_count(server: Any, llama_server: str) -> 
     assert LS_MODEL not in server.cli("ps").stdout
 
 
+def test_a_local_tokenizer_counts_where_the_upstream_has_none(server: Any, tmp_path: Path) -> None:
+    """bench/echo_upstream.py is an OpenAI-compatible server with no tokenize endpoint: pulled
+    with ?tokenizer=FILE.gguf, the model's chats are counted by that GGUF's own tokenizer and
+    chat template, as llama-server counts them."""
+    import anthropic
+    port = _free_port()
+    log = tmp_path / "echo.log"
+    with open(log, "wb") as out:
+        echo = subprocess.Popen([sys.executable, str(ROOT / "bench" / "echo_upstream.py"), str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(f"http://127.0.0.1:{port}/v1/models", echo, log)
+        refused = server.cli("pull", f"openai+http://127.0.0.1:{port}/v1?tokenizer={tmp_path / 'none.gguf'}#echo",
+                             "--name", "echo-counted")
+        assert refused.returncode != 0 and "not a registered GGUF model, a .gguf file or a tokenizer.json" in (
+            refused.stderr + refused.stdout)
+        assert "echo-counted" not in server.cli("models").stdout  # the refusal registered nothing
+        pulled = server.cli("pull", f"openai+http://127.0.0.1:{port}/v1?tokenizer={_gguf()}#echo",
+                            "--name", "echo-counted")
+        assert pulled.returncode == 0, pulled.stderr
+        assert server.cli("pull", f"openai+http://127.0.0.1:{port}/v1#echo", "--name", "echo-guessed").returncode == 0
+        entry = server.owner().get("/v1/models/echo-counted").json()
+        assert entry["capabilities"]["tokenizer"] == str(_gguf().resolve())
+        claude = anthropic.Anthropic(base_url=server.url, api_key=server.token, max_retries=0)
+        messages = ask("Say hello to the people of the world.")
+        local = claude.messages.count_tokens(model="echo-counted", messages=messages).input_tokens
+        upstream = claude.messages.count_tokens(model=LS_MODEL, messages=messages).input_tokens
+        assert local == upstream  # the GGUF's template and tokenizer here, llama-server's there
+        guessed = claude.messages.count_tokens(model="echo-guessed", messages=messages).input_tokens
+        assert 0 < guessed != local  # no tokenizer: 4 characters a token
+        reply = server.owner().post("/v1/chat/completions", json={"model": "echo-counted", "messages": messages,
+                                                                  "max_tokens": 1})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "1"
+    finally:
+        _stop(echo)
+        server.cli("rm", "echo-counted")
+        server.cli("rm", "echo-guessed")
+
+
 def test_many_streams_at_once(server: Any) -> None:
     """No queue of one: two streams (llama-server's two slots) produce tokens at the same time."""
     import threading

@@ -138,6 +138,9 @@ class RemoteEngine:
         self._counted: dict[tuple[str, bool], list[int]] = {}
         #: True once a token count was estimated (the upstream has no tokenize endpoint, or it failed).
         self.estimated = False
+        #: The tokenizer on this machine the entry names (``?tokenizer=`` when pulled), loaded on first use.
+        self._tokenizer_path: str | None = caps.get("tokenizer")
+        self._local: _LocalTokenizer | None = None
 
     # --- the engine protocol ----------------------------------------------------------------
     @property
@@ -387,9 +390,23 @@ class RemoteEngine:
             return f"{root}/extras/tokenize", {"input": text, "model": self.model}
         return f"{root}/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": add_special}
 
-    def _estimate(self, text: str) -> list[int]:
+    def _estimate(self, text: str, add_special: bool = True) -> list[int]:
+        """The tokens of ``text`` by the local tokenizer the entry names, else the estimate."""
+        local = self._local_tokenizer()
+        if local is not None:
+            return local.tokenize(text, add_special=add_special)
         self.estimated = True
         return [0] * max(1, math.ceil(len(text) / 4))
+
+    def _local_tokenizer(self) -> _LocalTokenizer | None:
+        if self._tokenizer_path and self._local is None:
+            try:
+                self._local = _LocalTokenizer(self._tokenizer_path)
+            except Exception as exc:  # noqa: BLE001 - counted by the estimate instead, once said
+                log.warning("%s: the tokenizer %s could not be loaded (%s); token counts are estimated",
+                            self.id, self._tokenizer_path, exc)
+                self._tokenizer_path = None
+        return self._local
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """The upstream's tokens for ``text`` (counted by its tokenize endpoint), or an estimate
@@ -399,7 +416,7 @@ class RemoteEngine:
             return cached
         call = self._tokenize_call(text, add_special)
         if call is None:
-            return self._estimate(text)
+            return self._estimate(text, add_special)
         try:
             with httpx.Client(headers=self._sync_headers, timeout=self._timeout) as client:
                 answer = client.post(call[0], json=call[1])
@@ -414,7 +431,7 @@ class RemoteEngine:
             return cached
         call = self._tokenize_call(text, add_special)
         if call is None:
-            return self._estimate(text)
+            return self._estimate(text, add_special)
         try:
             answer = await self._client.post(call[0], json=call[1])
         except httpx.HTTPError:
@@ -428,7 +445,7 @@ class RemoteEngine:
         except (ValueError, AttributeError):
             tokens = None
         if not isinstance(tokens, list):
-            return self._estimate(text)
+            return self._estimate(text, add_special)
         out = [t if isinstance(t, int) else 0 for t in tokens]
         if len(self._counted) > 4096:
             self._counted.clear()
@@ -464,6 +481,11 @@ class RemoteEngine:
                     return int(data["count"])
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
+        local = self._local_tokenizer()
+        if local is not None:
+            counted = local.count_chat(messages, body.get("tools"))
+            if counted is not None:
+                return counted
         texts = []
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
@@ -508,6 +530,58 @@ class RemoteEngine:
             return answer.status_code < 500
         except httpx.HTTPError:
             return False
+
+
+class _LocalTokenizer:
+    """A tokenizer on this machine for a remote model: a GGUF file's (llama-cpp-python, its
+    vocabulary only; it also templates a chat with the file's own chat template) or a
+    tokenizer.json (the ``tokenizers`` package)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._llama: Any = None
+        self._json: Any = None
+        self._meta: dict[str, str] = {}
+        if path.endswith(".gguf"):  # the vocabulary and metadata only: no weights, no context
+            import llama_cpp
+            from llama_cpp._internals import LlamaModel
+            params = llama_cpp.llama_model_default_params()
+            params.vocab_only = True
+            self._llama = LlamaModel(path_model=path, params=params, verbose=False)
+            self._meta = self._llama.metadata()
+        else:
+            from tokenizers import Tokenizer
+            self._json = Tokenizer.from_file(path)
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        if self._llama is not None:
+            return list(self._llama.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+        return list(self._json.encode(text, add_special_tokens=add_special).ids)
+
+    def count_chat(self, messages: list[Any], tools: Any = None) -> int | None:
+        """The tokens of ``messages`` as the GGUF's chat template lays them out (None: no template)."""
+        if self._llama is None:
+            return None
+        template = self._meta.get("tokenizer.chat_template")
+        if not template:
+            return None
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        def special(ident: int) -> str:
+            return self._llama.token_to_piece(ident, special=True).decode("utf-8", "replace") if ident >= 0 else ""
+
+        def flat(message: Any) -> Any:  # text parts joined: the template takes a string
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                return {**message, "content": "".join(str(p.get("text", "")) for p in content)}
+            return message
+        try:
+            formatted = Jinja2ChatFormatter(template=template, eos_token=special(self._llama.token_eos()),
+                                            bos_token=special(self._llama.token_bos()))(
+                messages=[flat(m) for m in messages], tools=tools or None)
+        except Exception:  # noqa: BLE001 - a template that cannot lay these messages out: counted apart
+            return None
+        return len(self.tokenize(formatted.prompt, add_special=not formatted.added_special))
 
 
 def _pooled(vector: Any) -> list[float]:
