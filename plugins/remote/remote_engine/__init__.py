@@ -488,10 +488,8 @@ class RemoteEngine:
                 return counted
         texts = []
         for message in messages:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):  # parts: the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            texts.append(content if isinstance(content, str) else json.dumps(message))
+            content = _text_of(message.get("content") if isinstance(message, dict) else None, skip_other=True)
+            texts.append(content if content is not None else json.dumps(message))
         self.estimated = True
         counted = [len(await self.count(text)) if text else 0 for text in texts]
         return sum(counted) + 4 * len(messages) + 1
@@ -572,9 +570,8 @@ class _LocalTokenizer:
 
         def flat(message: Any) -> Any:  # text parts joined: the template takes a string
             content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                return {**message, "content": "".join(str(p.get("text", "")) for p in content)}
-            return message
+            text = _text_of(content) if isinstance(content, list) else None
+            return {**message, "content": text} if text is not None else message
         try:
             formatted = Jinja2ChatFormatter(template=template, eos_token=special(self._llama.token_eos()),
                                             bos_token=special(self._llama.token_bos()))(
@@ -582,6 +579,20 @@ class _LocalTokenizer:
         except Exception:  # noqa: BLE001 - a template that cannot lay these messages out: counted apart
             return None
         return len(self.tokenize(formatted.prompt, add_special=not formatted.added_special))
+
+
+def _text_of(content: Any, *, skip_other: bool = False) -> str | None:
+    """A message's content as one string: a string, or a list of parts with their text joined
+    (None for anything else, or for parts that are not all text unless ``skip_other``)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    parts = [p for p in content if isinstance(p, dict)]
+    text = [p for p in parts if p.get("type", "text") == "text"]
+    if len(text) != len(content) and not skip_other:
+        return None
+    return "".join(str(p.get("text", "")) for p in text)
 
 
 def _pooled(vector: Any) -> list[float]:
