@@ -172,6 +172,8 @@ def serve(obj: Ctx, model: str | None, host: str | None, port: int | None, plugi
     config = Config(data)
     level = log_level or config.get("log_level")
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":  # httpx says INFO of every request the server makes (an upstream's, a download's)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     only = [p.strip() for p in plugins_.split(",") if p.strip()] if plugins_ is not None else None
     try:
         run_server(data_dir=data, host=host or config.get("bind_host"), port=port if port is not None else

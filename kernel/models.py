@@ -87,17 +87,22 @@ class Registry:
         self.file = JsonFile(Path(data_dir) / "models.json", what="The model registry (models.json)",
                              default=lambda: {"models": []}, expect=dict)
         self._provided: dict[str, list[ModelEntry]] = {}
+        self._parsed: tuple[Any, list[ModelEntry]] = (None, [])
 
     def stored(self) -> list[ModelEntry]:
-        """The entries of models.json."""
+        """The entries of models.json (parsed again only when the file changed)."""
         raw = self.file.cached().get("models", [])
+        seen, parsed = self._parsed
+        if seen is raw:
+            return list(parsed)
         out = []
         for item in raw if isinstance(raw, list) else []:
             try:
                 out.append(ModelEntry.load(item))
             except (TypeError, ValueError):
                 continue
-        return out
+        self._parsed = (raw, out)
+        return list(out)
 
     def entries(self) -> list[ModelEntry]:
         out = self.stored()

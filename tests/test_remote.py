@@ -284,6 +284,50 @@ def test_an_upstream_refusal_passes_through(server: Any, oai: Any) -> None:
         assert r.status_code == 413
 
 
+#: An upstream that lists one model and never answers a POST.
+SILENT = """
+import asyncio, json, sys
+LISTING = json.dumps({"object": "list", "data": [{"id": "quiet", "object": "model"}]}).encode()
+async def handle(reader, writer):
+    while True:
+        head = await reader.readuntil(b"\\r\\n\\r\\n")
+        if not head.startswith(b"GET /v1/models "):
+            await asyncio.sleep(3600)
+        writer.write(b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\ncontent-length: %d\\r\\n\\r\\n"
+                     % len(LISTING) + LISTING)
+        await writer.drain()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def test_a_silent_upstream_is_a_504(server: Any, oai: Any, tmp_path: Path) -> None:
+    import openai
+    port = _free_port()
+    log = tmp_path / "silent.log"
+    with open(log, "wb") as out:
+        silent = subprocess.Popen([sys.executable, "-c", SILENT, str(port)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(f"http://127.0.0.1:{port}/v1/models", silent, log)
+        assert server.cli("pull", f"openai+http://127.0.0.1:{port}/v1#quiet", "--name", "quiet").returncode == 0
+        assert server.cli("config", "set", "plugins", json.dumps({"remote": {"timeout_s": 1}})).returncode == 0
+        began = time.monotonic()
+        r = server.owner().post("/v1/chat/completions", json={"model": "quiet", "messages": ask("hi"),
+                                                              "max_tokens": 4})
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "upstream_timeout" and f"127.0.0.1:{port}" in r.text
+        assert time.monotonic() - began < 10
+        with pytest.raises(openai.APIStatusError) as refused:  # streamed: before its stream opens
+            oai.chat.completions.create(model="quiet", messages=ask("hi"), max_tokens=4, stream=True)
+        assert refused.value.status_code == 504
+    finally:
+        _stop(silent)
+        server.cli("config", "set", "plugins", "{}")
+        server.cli("rm", "quiet")
+
+
 def test_embeddings(oai: Any) -> None:
     out = oai.embeddings.create(model=LS_MODEL, input=["a cat", "a dog"])
     assert len(out.data) == 2 and len(out.data[0].embedding) == 576

@@ -38,6 +38,8 @@ import httpx
 from localm import sdk
 from localm.sdk import engines as spec
 
+from . import wire
+
 log = logging.getLogger("localm.plugin.remote")
 
 #: What each kind of upstream honours, beyond plain chat. ``json_schema``: response_format
@@ -131,6 +133,10 @@ class RemoteEngine:
                                          limits=httpx.Limits(max_connections=concurrency + 8,
                                                              max_keepalive_connections=concurrency + 8))
         self._sync_headers = headers
+        #: The streamed generations' own client (httpx where a proxy stands between; see wire.py).
+        self._wire = None if wire.proxied(self.base) else wire.Upstream(
+            self.base, headers=headers, connect_timeout=float(settings.get("connect_timeout_s", 5.0)),
+            timeout=float(settings.get("timeout_s", 300.0)))
         self._turns = _turns(self.base, concurrency)
         self._busy = 0
         self._ids: dict[bytes, int] = {}
@@ -170,6 +176,8 @@ class RemoteEngine:
         self._refuse("next-token distribution")
 
     def close(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
         client = self._client
         try:
             import asyncio
@@ -181,8 +189,18 @@ class RemoteEngine:
 
     # --- errors ----------------------------------------------------------------------------
     def _failure(self, exc: Exception) -> sdk.LocalmError:
-        if isinstance(exc, httpx.ConnectError):
-            return sdk.LocalmError(502, f"{self.id}: cannot reach the upstream {self.base} (connection refused)",
+        if isinstance(exc, wire.ConnectFailed):
+            return sdk.LocalmError(502, f"{self.id}: cannot reach the upstream {self.base} ({_said(exc)})",
+                                   code="upstream_unreachable")
+        if isinstance(exc, wire.TimedOut):
+            return sdk.LocalmError(504, f"{self.id}: the upstream {self.base} did not answer in time",
+                                   code="upstream_timeout")
+        if isinstance(exc, wire.UpstreamError):
+            return sdk.LocalmError(502, f"{self.id}: the upstream {self.base} failed ({_said(exc)})",
+                                   code="upstream_error")
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+            said = "connection refused" if isinstance(exc, httpx.ConnectError) else "no connection in time"
+            return sdk.LocalmError(502, f"{self.id}: cannot reach the upstream {self.base} ({said})",
                                    code="upstream_unreachable")
         if isinstance(exc, httpx.TimeoutException):
             return sdk.LocalmError(504, f"{self.id}: the upstream {self.base} did not answer in time",
@@ -300,6 +318,28 @@ class RemoteEngine:
 
     async def _stream(self, route: str, body: dict[str, Any]) -> AsyncIterator[spec.Event]:
         began = time.perf_counter()
+        if self._wire is None:  # through a proxy: httpx
+            async for event in self._stream_httpx(route, body, began):
+                yield event
+            return
+        try:
+            answer = await self._wire.post(route, json.dumps(body, ensure_ascii=False,
+                                                              separators=(",", ":")).encode("utf-8"))
+        except wire.UpstreamError as exc:
+            raise self._failure(exc) from None
+        try:
+            if answer.status >= 400:
+                try:
+                    said = await answer.read()
+                except wire.UpstreamError:
+                    said = b""
+                raise self._refusal(httpx.Response(answer.status, content=said, headers=answer.headers))
+            async for event in self._events(answer.lines(), began, wire.UpstreamError):
+                yield event
+        finally:
+            answer.release()  # read to its end: kept for the next; else closed (the upstream stops)
+
+    async def _stream_httpx(self, route: str, body: dict[str, Any], began: float) -> AsyncIterator[spec.Event]:
         try:
             context = self._client.stream("POST", self.base + route, json=body)
             answer = await context.__aenter__()
@@ -309,75 +349,82 @@ class RemoteEngine:
             if answer.status_code >= 400:
                 await answer.aread()
                 raise self._refusal(answer)
-            yield spec.Started(prompt_tokens=0)
-            first = None
-            counted = 0
-            prompt_tokens = completion_tokens = 0
-            finish = None
-            calls: dict[int, dict[str, Any]] = {}
-            try:
-                async for line in answer.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":  # read on to the body's end: an upstream that keeps the
-                        continue            # connection open gets it back in the pool (llama-server closes it)
-                    try:
-                        data = json.loads(payload)
-                    except ValueError:
-                        continue
-                    if not isinstance(data, dict):
-                        continue
-                    if "error" in data and not data.get("choices"):
-                        message = _message_of_dict(data)
-                        yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
-                                            error=f"the upstream {self.base} failed: {message}")
-                        return
-                    usage = data.get("usage")
-                    if isinstance(usage, dict):
-                        prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                        completion_tokens = int(usage.get("completion_tokens") or 0)
-                    for choice in data.get("choices") or []:
-                        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                            continue
-                        delta = choice.get("delta")
-                        if isinstance(delta, dict):
-                            text = delta.get("content") or ""
-                            for call in delta.get("tool_calls") or []:
-                                at = calls.setdefault(int(call.get("index", len(calls))), {"name": "", "arguments": ""})
-                                function = call.get("function") or {}
-                                at["name"] += function.get("name") or ""
-                                at["arguments"] += function.get("arguments") or ""
-                        else:
-                            text = choice.get("text") or ""
-                        for token in self._tokens(text, choice):
-                            counted += 1
-                            if first is None:
-                                first = time.perf_counter()
-                            yield token
-                        if choice.get("finish_reason"):
-                            finish = choice["finish_reason"]
-            except httpx.HTTPError as exc:
-                yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
-                                    error=f"the upstream {self.base} broke off the reply ({type(exc).__name__})")
-                return
-            for call in (calls[i] for i in sorted(calls)):
-                try:
-                    arguments = json.loads(call["arguments"] or "{}")
-                except ValueError:
-                    arguments = call["arguments"]
-                yield spec.Token(id=-1, text="<tool_call>" + json.dumps({"name": call["name"], "arguments": arguments})
-                                 + "</tool_call>")
-            if finish is None:
-                yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
-                                    error=f"the upstream {self.base} ended the reply without finishing it")
-                return
-            now = time.perf_counter()
-            yield spec.Finished(reason="length" if finish == "length" else "stop", prompt_tokens=prompt_tokens,
-                                completion_tokens=completion_tokens or counted,
-                                prompt_seconds=(first or now) - began, generate_seconds=now - (first or now))
+            async for event in self._events(answer.aiter_lines(), began, httpx.HTTPError):
+                yield event
         finally:
             await context.__aexit__(None, None, None)  # a client that left closes the upstream stream
+
+    async def _events(self, lines: AsyncIterator[str], began: float,
+                      failures: type[Exception]) -> AsyncIterator[spec.Event]:
+        """The engine events of an upstream's event stream (``failures``: what the reader raises
+        when the connection fails mid-answer, which ends the reply in-band)."""
+        yield spec.Started(prompt_tokens=0)
+        first = None
+        counted = 0
+        prompt_tokens = completion_tokens = 0
+        finish = None
+        calls: dict[int, dict[str, Any]] = {}
+        try:
+            async for line in lines:
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":  # read on to the body's end: an upstream that keeps the
+                    continue            # connection open gets it back in the pool (llama-server closes it)
+                try:
+                    data = json.loads(payload)
+                except ValueError:
+                    continue
+                if not isinstance(data, dict):
+                    continue
+                if "error" in data and not data.get("choices"):
+                    message = _message_of_dict(data)
+                    yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
+                                        error=f"the upstream {self.base} failed: {message}")
+                    return
+                usage = data.get("usage")
+                if isinstance(usage, dict):
+                    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    completion_tokens = int(usage.get("completion_tokens") or 0)
+                for choice in data.get("choices") or []:
+                    if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                        continue
+                    delta = choice.get("delta")
+                    if isinstance(delta, dict):
+                        text = delta.get("content") or ""
+                        for call in delta.get("tool_calls") or []:
+                            at = calls.setdefault(int(call.get("index", len(calls))), {"name": "", "arguments": ""})
+                            function = call.get("function") or {}
+                            at["name"] += function.get("name") or ""
+                            at["arguments"] += function.get("arguments") or ""
+                    else:
+                        text = choice.get("text") or ""
+                    for token in self._tokens(text, choice):
+                        counted += 1
+                        if first is None:
+                            first = time.perf_counter()
+                        yield token
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
+        except failures as exc:
+            yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
+                                error=f"the upstream {self.base} broke off the reply ({_said(exc)})")
+            return
+        for call in (calls[i] for i in sorted(calls)):
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except ValueError:
+                arguments = call["arguments"]
+            yield spec.Token(id=-1, text="<tool_call>" + json.dumps({"name": call["name"], "arguments": arguments})
+                             + "</tool_call>")
+        if finish is None:
+            yield spec.Finished(reason="error", prompt_tokens=prompt_tokens, completion_tokens=counted,
+                                error=f"the upstream {self.base} ended the reply without finishing it")
+            return
+        now = time.perf_counter()
+        yield spec.Finished(reason="length" if finish == "length" else "stop", prompt_tokens=prompt_tokens,
+                            completion_tokens=completion_tokens or counted,
+                            prompt_seconds=(first or now) - began, generate_seconds=now - (first or now))
 
     # --- tokens and embeddings -----------------------------------------------------------------
     def _tokenize_call(self, text: str, add_special: bool) -> tuple[str, dict[str, Any]] | None:
@@ -593,6 +640,11 @@ def _text_of(content: Any, *, skip_other: bool = False) -> str | None:
     if len(text) != len(content) and not skip_other:
         return None
     return "".join(str(p.get("text", "")) for p in text)
+
+
+def _said(exc: Exception) -> str:
+    """What a failure says of itself, or its kind."""
+    return str(exc).lower() if str(exc) else type(exc).__name__
 
 
 def _pooled(vector: Any) -> list[float]:
