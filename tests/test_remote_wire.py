@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import ssl
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -24,8 +27,10 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 class Upstream:
     """An asyncio server on a free loopback port that counts its connections and requests."""
 
-    def __init__(self, answer: Callable[[int, bytes, asyncio.StreamWriter], Awaitable[bool]]) -> None:
-        self.answer = answer  # (request number, request body, writer) -> keep the connection?
+    def __init__(self, answer: Callable[[int, bytes, asyncio.StreamWriter], Awaitable[bool]],
+                 tls: Any = None) -> None:
+        self.answer = answer
+        self.tls = tls  # (request number, request body, writer) -> keep the connection?
         self.connections = 0
         self.requests: list[tuple[bytes, bytes]] = []  # (head, body)
         self.closed_by_peer = asyncio.Event()
@@ -54,9 +59,9 @@ class Upstream:
             writer.close()
 
     async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0, ssl=self.tls)
         port = self.server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}/v1"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{port}/v1"
 
     async def __aexit__(self, *exc: Any) -> None:
         self.server.close()
@@ -263,3 +268,25 @@ def test_proxied_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not wire.proxied("https://10.0.0.5:8000/v1")
     monkeypatch.setenv("NO_PROXY", "10.0.0.5")
     assert not wire.proxied("http://10.0.0.5:8000/v1")
+
+
+def test_https_with_the_certificates_the_environment_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+
+    async def main() -> None:
+        async with Upstream(_stream, tls=tls) as base:
+            assert base.startswith("https://")
+            with pytest.raises(wire.ConnectFailed, match="(?i)certificate"):  # not trusted yet
+                await wire.Upstream(base).post("/completions", b"{}")
+            monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+            answer = await wire.Upstream(base).post("/completions", b"{}")
+            assert [line async for line in answer.lines() if line][-1] == "data: [DONE]"
+            answer.release()
+    run(main())
