@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 client for the upstream's streamed replies: the path every generation takes.
 
-A request to an upstream costs localm a few hundred microseconds here against about a
-millisecond through httpx (its connection pool, anyio checkpoints, cookie jar and per-request
-log line), and when many requests arrive at once they queue behind each other's client work on
-the one event loop, so that millisecond is paid several times over before the last of them
+A short streamed request cost localm's process 2.3 ms of CPU with httpx on this path (its
+connection pool, anyio checkpoints, cookie jar and per-request log line) and 1.0 ms with this
+client, and when many requests arrive at once they queue behind each other's client work on
+the one event loop, so that cost is paid several times over before the last of them
 reaches the upstream. This client does what a streamed chat needs and nothing more:
 
 - one ``asyncio.Protocol`` a connection, the response read by httptools' C parser (a kernel
