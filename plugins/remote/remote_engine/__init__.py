@@ -6,6 +6,8 @@ by :class:`RemoteEngine`: an engine whose capabilities say ``messages``, so it g
 request whole (the OpenAI body after the chat inlet hooks) and streams the upstream's
 ``/v1/chat/completions`` (``/v1/completions`` for a text prompt) back as token events.
 
+- Generations go upstream through the plugin's own HTTP/1.1 client (:mod:`.wire`; httpx where a
+  proxy stands between, and for everything else the engine asks an upstream).
 - Many requests run at once: there is no queue of one; at most ``concurrency`` requests are in
   flight to one upstream (the rest wait in line, told so with Queued).
 - A client that goes away closes the upstream stream.
