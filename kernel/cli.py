@@ -922,7 +922,8 @@ def models_copy(obj: Ctx, source: str, destination: str) -> None:
         entry = registry.get(source)
         if not destination.strip():
             raise LocalmError(400, "The new name must not be empty")
-        copy = registry.add(attrs.evolve(entry, id=model_id(destination), aliases=(), created=time.time()))
+        copy = registry.add(attrs.evolve(entry, id=model_id(destination, named=True), aliases=(),
+                                         created=time.time()))
         click.echo(f"Copied {entry.id} to {copy.id}.")
     run(body)
 

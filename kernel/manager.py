@@ -254,7 +254,7 @@ class ModelManager:
         if not new_name.strip():
             raise LocalmError(400, "The new name must not be empty")
         entry = self.registry.stored_entry(name)
-        copy = attrs.evolve(entry, id=model_id(new_name), aliases=(), created=time.time())
+        copy = attrs.evolve(entry, id=model_id(new_name, named=True), aliases=(), created=time.time())
         return self.registry.add(copy)
 
     async def pull(self, source: str, name: str | None = None) -> AsyncIterator[dict[str, Any]]:

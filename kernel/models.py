@@ -39,9 +39,11 @@ HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index
               "pytorch_model.bin.index.json")
 
 
-def model_id(text: str) -> str:
-    """A registry id from a file or repository name: lowercase, [a-z0-9._-], no quantization suffix."""
-    out = _ID.sub("-", _QUANT_SUFFIX.sub("", text).lower()).strip("-.")
+def model_id(text: str, *, named: bool = False) -> str:
+    """A registry id: lowercase, [a-z0-9._-]. From a file or repository name the quantization
+    suffix goes (``SmolLM2-135M-Instruct.Q4_1`` is ``smollm2-135m-instruct``); a name the user
+    gave (``named``: pull --name, cp, mv) keeps it (``smol-q4`` stays ``smol-q4``)."""
+    out = _ID.sub("-", (text if named else _QUANT_SUFFIX.sub("", text)).lower()).strip("-.")
     return out[:80] or "model"
 
 
@@ -171,7 +173,7 @@ class Registry:
 
     def rename(self, name: str, new_name: str) -> tuple[ModelEntry, str]:
         entry = self.stored_entry(name)
-        new_id = model_id(new_name)
+        new_id = model_id(new_name, named=True)
         if not new_name.strip():
             raise LocalmError(400, "new_name must not be empty")
         other = self.find(new_id)
@@ -477,7 +479,7 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
         caps, role = inspect_ct2(item.path) if item.type == "ct2" else inspect_hf(item.path)
         size = sum(p.stat().st_size for p in item.path.rglob("*") if p.is_file())
         digest = None
-    new_id = model_id(name or item.name)
+    new_id = model_id(name, named=True) if name else model_id(item.name)
     free = tuple(a for a in aliases if a != new_id and registry.find(a) is None)  # an alias is a convenience
     entry = ModelEntry(id=new_id, path=str(item.path), source=source, type=item.type,
                        sha256=digest, size_bytes=size, aliases=free,

