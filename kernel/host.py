@@ -142,5 +142,6 @@ class Host:
         if models is not None:
             try:
                 models.provide(plugin, [])
+                models.engine_gone(plugin)
             except RuntimeError:  # no running loop (the CLI's offline host): nothing is resident
                 models.registry.provide(plugin, [])

@@ -34,6 +34,8 @@ class Resident:
     loaded_at: float
     in_flight: int = 0
     unloading: bool = False
+    #: the plugin whose engine loaded it (its models are unloaded when it stops)
+    plugin: str | None = None
 
 
 @attrs.define(eq=False)
@@ -118,7 +120,7 @@ class ModelManager:
             engine = await asyncio.to_thread(factory, entry, {})
         except EngineError as exc:
             raise LocalmError(500, f"Could not load {entry.id}: {exc}", code=exc.code or "model_load_failed") from exc
-        resident = Resident(entry=entry, engine=engine, loaded_at=time.time())
+        resident = Resident(entry=entry, engine=engine, loaded_at=time.time(), plugin=plugin)
         self.resident[entry.id] = resident
         if entry.role == "chat" and entry.provider is None:
             self.active = entry.id
@@ -246,6 +248,15 @@ class ModelManager:
             resident = self.resident.get(gone)
             if resident is not None:
                 asyncio.get_running_loop().create_task(self._unload(resident))
+
+    def engine_gone(self, plugin: str) -> list[str]:
+        """``plugin`` stopped: the models its engines loaded are unloaded once their requests
+        finish (those still held after the grace period stay until unloaded by hand)."""
+        gone = [r for r in self.resident.values() if r.plugin == plugin and not r.unloading]
+        loop = asyncio.get_running_loop()
+        for resident in gone:
+            loop.create_task(self._unload(resident))
+        return [r.entry.id for r in gone]
 
     def copy(self, name: str, new_name: str) -> ModelEntry:
         """Register the files of ``name`` under a second id."""

@@ -275,6 +275,24 @@ def test_serve_a_gguf_file_by_path(tmp_path: Path) -> None:
         s.stop()
 
 
+def test_a_stopped_engine_plugin_takes_its_models_with_it(tmp_path: Path) -> None:
+    s = LocalmServer(tmp_path / "data", plugins=["chat", "llamacpp"]).start()
+    try:
+        owner = s.owner()
+        assert owner.post("/v1/models/load", params={"model": MODEL}).status_code == 200
+        assert owner.get(f"/v1/models/{MODEL}").json()["loaded"] is True
+        assert owner.post("/api/plugins/llamacpp/disable").json()["status"] == "disabled"
+        deadline = time.monotonic() + 10
+        while owner.get(f"/v1/models/{MODEL}").json()["loaded"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert owner.get(f"/v1/models/{MODEL}").json()["loaded"] is False  # unloaded, not left with no engine
+        assert owner.post("/api/plugins/llamacpp/enable").json()["status"] == "enabled"
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=s.token, max_retries=0)
+        assert c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices  # loaded again
+    finally:
+        s.stop()
+
+
 def test_unload_waits_for_a_running_request_and_refuses_new_ones(server: LocalmServer) -> None:
     owner = server.owner()
     owner.post("/v1/models/load", params={"model": MODEL})
