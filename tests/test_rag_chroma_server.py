@@ -140,7 +140,20 @@ def test_a_server_that_does_not_answer_degrades_to_keyword_search(rag: tuple[Loc
         body = out.json()
         assert files_of(body["hits"])[0] == "guide.md"  # the keyword index is local
         assert all(h["vector_score"] is None for h in body["hits"])
+        assert body["vectors_note"].startswith("searched by keywords only: the vectors are unavailable")
+        import openai  # a chat says so too: a header and a status event
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.token)
+        raw = client.chat.completions.with_raw_response.create(
+            model=CHAT_MODEL, messages=[{"role": "user", "content": "What is ERR-5102?"}], max_tokens=4,
+            temperature=0, extra_body={"rag": {"collections": ["docs"], "k": 2}})
+        assert raw.headers["x-localm-rag"].endswith('; keywords_only="docs"'), raw.headers["x-localm-rag"]
+        assert raw.parse().model_extra["sources"][0]["filename"] == "guide.md"
+        chunks = list(client.chat.completions.create(
+            model=CHAT_MODEL, messages=[{"role": "user", "content": "What is ERR-5102?"}], max_tokens=4,
+            temperature=0, stream=True, extra_body={"rag": {"collections": ["docs"], "k": 2}}))
+        said = [(c.choices[0].delta.model_extra or {}).get("status_code") for c in chunks if c.choices]
+        assert "keywords_only" in said, said
     finally:
         assert owner.patch("/v1/config", json={"plugins": {"rag": {"chroma_url": chroma}}}).status_code == 200
     out = owner.post("/api/rag/collections/docs/query", json={"query": "ERR-5102", "k": 2}).json()
-    assert out["hits"][0]["vector_score"] is not None  # back on the server
+    assert out["hits"][0]["vector_score"] is not None and out["vectors_note"] is None  # back on the server

@@ -124,17 +124,26 @@ async def inlet(knowledge: Any, request: dict[str, Any], context: Any) -> dict[s
                 raise
     context.status("recalling", f"Searching {', '.join(c.name for c in collections) or 'knowledge'}")
     found: list[dict[str, Any]] = []
+    keywords_only = []
     for col in collections:
         out = await knowledge.search(col, query, k=wanted["k"], relevant_only=wanted["relevant_only"],
                                      rerank=wanted["rerank"], context=before)
         found += out["hits"]
+        if out.get("vectors_note"):
+            keywords_only.append(col.name)
+    if keywords_only:
+        context.status("keywords_only", f"Searched {', '.join(keywords_only)} by keywords only: "
+                                        "the vector store is unavailable")
     found.sort(key=lambda h: (-(h["rerank_score"] if h["rerank_score"] is not None else h["score"]), h["id"]))
     hits = found[: wanted["k"]]
     sources = [{"index": n, "collection": h["collection"], "path": h["path"], "filename": h["filename"],
                 "heading": h["heading"], "chunk": h["chunk"], "score": h["score"],
                 "snippet": h["text"][:240]} for n, h in enumerate(hits, 1)]
     names = ",".join(c.name for c in collections)
-    context.header("X-Localm-Rag", f'sources={len(sources)}; collections="{names}"')
+    said = f'sources={len(sources)}; collections="{names}"'
+    if keywords_only:
+        said += f'; keywords_only="{",".join(keywords_only)}"'
+    context.header("X-Localm-Rag", said)
     context.field("sources", sources)
     out = {k: v for k, v in request.items() if k != "rag"}
     if not hits:

@@ -409,6 +409,7 @@ class Knowledge:
         pool = max(4 * k, 20)
         info = await asyncio.to_thread(col.info)
         vector_hits: list[tuple[str, float]] = []
+        vectors_note = None
         entry, _ = await self.embedder()
         if mode != "lexical" and entry is not None and info.get("chroma") and info.get("embed_model") == entry.id:
             try:
@@ -416,6 +417,7 @@ class Knowledge:
                 vector_hits = await asyncio.to_thread(self.store.vectors.query, info["chroma"], vector, pool)
             except VectorsUnavailable as exc:
                 log.warning("collection %s: searching without vectors: %s", col.name, exc)
+                vectors_note = f"searched by keywords only: the vectors are unavailable ({exc})"
         lexical_hits = [] if mode == "vector" else await asyncio.to_thread(
             col.lexical, search.match_expression(words), pool)
         candidates = search.fuse(vector_hits, lexical_hits)
@@ -450,7 +452,7 @@ class Knowledge:
                 for c in candidates[:k]]
         return {"collection": col.name, "query": query, "hits": hits, "relevant_only": relevant_only,
                 "reranked": reranked, "rerank_model": rerank_model if reranked else None, "rerank_note": note,
-                "context_used": context_used, "mode": mode}
+                "context_used": context_used, "mode": mode, "vectors_note": vectors_note}
 
     def rerankers(self) -> list[str]:
         return sorted(e.id for e in self.host.models.entries() if e.role == "reranker")
