@@ -42,7 +42,7 @@ HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index
 def model_id(text: str, *, named: bool = False) -> str:
     """A registry id: lowercase, [a-z0-9._-]. From a file or repository name the quantization
     suffix goes (``SmolLM2-135M-Instruct.Q4_1`` is ``smollm2-135m-instruct``); a name the user
-    gave (``named``: pull --name, cp, mv) keeps it (``smol-q4`` stays ``smol-q4``)."""
+    gave (``named``: pull --name, cp, rename) keeps it (``smol-q4`` stays ``smol-q4``)."""
     out = _ID.sub("-", (text if named else _QUANT_SUFFIX.sub("", text)).lower()).strip("-.")
     return out[:80] or "model"
 
