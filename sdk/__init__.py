@@ -35,6 +35,8 @@ from localm.kernel.routes.common import EventStream, sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
 from localm.kernel.settings import FieldSpec, setting
 
+from .text import defang
+
 
 def host_of(request: Request) -> Host:
     """The host services, from inside a route handler."""
@@ -59,6 +61,8 @@ __all__ = [
     "Meta", "Struct",
     # errors
     "LocalmError",
+    # untrusted text quoted into a prompt
+    "defang",
     # settings
     "setting", "FieldSpec",
     # jobs

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import rag_files
+from localm.sdk import defang
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -206,7 +207,7 @@ TOKENS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|start_
 
 @pytest.mark.parametrize("token", TOKENS)
 def test_defang_respells_chat_tokens(token: str) -> None:
-    out = extract.defang(f"before {token}after")
+    out = defang(f"before {token}after")
     assert token not in out
     assert not re.search(r"[<>\[\]|｜]", out)
     name = token.strip("<>[]/|｜")
@@ -215,29 +216,29 @@ def test_defang_respells_chat_tokens(token: str) -> None:
 
 def test_defang_removes_invisible_characters() -> None:
     text = "a\x00b\x07c\x1bd\x7fe\u200bf\u200dg\u202eh\u2066i\ufeffj\U000e0041k\ue000l\r\nm\rn\to\x0cp"
-    assert extract.defang(text) == "abcdefghijkl\nm\nn\to\np"
+    assert defang(text) == "abcdefghijkl\nm\nn\to\np"
     # a token hidden by zero-width characters is still caught
-    assert extract.defang("<|im_\u200bstart|>") == "‹im_start›"
+    assert defang("<|im_\u200bstart|>") == "‹im_start›"
 
 
 def test_defang_role_lines() -> None:
-    out = extract.defang("System:\n### Assistant:\n  user :\n### Instruction:\nResponse:\nThe system: is fine.")
+    out = defang("System:\n### Assistant:\n  user :\n### Instruction:\nResponse:\nThe system: is fine.")
     assert out == "‹System›:\n### ‹Assistant›:\n  ‹user› :\n### ‹Instruction›:\nResponse:\nThe system: is fine."
 
 
 def test_defang_leaves_ordinary_text_alone(samples: dict[str, Path]) -> None:
     prose = ("Install\n\n## Linux\n\nRun `a < b && c | d > e`, see List<String> and [1] or [link](x).\n"
              "User: click OK. The assistant said: fine.\n\tIndented, with “quotes” — and émojis 👩‍💻.\n")
-    assert extract.defang(prose) == prose.replace("\u200d", "")  # the ZWJ is format, removed
+    assert defang(prose) == prose.replace("\u200d", "")  # the ZWJ is format, removed
     for name in ("notes.txt", "guide.md", "tool.py"):
         text = extract.extract(name, samples[name].read_bytes()).text
-        assert extract.defang(text) == text
+        assert defang(text) == text
 
 
 def test_defang_is_idempotent() -> None:
     nasty = "<|<|im_start|>|> [[INST]] <<<SYS>>> <</s>s> \u202e<|x\u200b|>\nsystem:\n" + "".join(TOKENS)
-    once = extract.defang(nasty)
-    assert extract.defang(once) == once
+    once = defang(nasty)
+    assert defang(once) == once
     assert "<|" not in once and "[INST]" not in once
 
 

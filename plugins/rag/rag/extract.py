@@ -6,8 +6,7 @@
 - Structure survives as markdown: HTML and DOCX headings become ``#`` lines and blocks are
   separated by a blank line, so the chunker sees sections and paragraphs for every kind.
 - Every refusal is a ``LocalmError`` naming only the file's base name, never a path.
-- ``defang`` is for the moment a document's text is put in front of a model: it strips
-  invisible characters and spells chat-template tokens so no tokenizer reads them as control.
+  (A document's text is put in front of a model only through ``sdk.defang``.)
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from __future__ import annotations
 import codecs
 import io
 import re
-import unicodedata
 import zipfile
 from typing import Any, Callable
 
@@ -299,54 +297,3 @@ _READERS: dict[str, Callable[[str, bytes], tuple[str, int]]] = {
     "text": _read_text, "markdown": _read_text, "code": _read_text,
     "html": _read_html, "pdf": _read_pdf, "docx": _read_docx,
 }
-
-
-# --- defang -------------------------------------------------------------------------------------
-
-_NEWLINES = str.maketrans({"\x0b": "\n", "\x0c": "\n", "\x85": "\n", "\u2028": "\n", "\u2029": "\n"})
-#: Control, format (zero-width, bidi, tag characters), surrogate and private-use characters.
-_INVISIBLE = frozenset({"Cc", "Cf", "Cs", "Co"})
-#: Runs of characters other than printable ASCII, newline and tab: the only ones worth a look.
-_SUSPECT = re.compile(r"[^\t\n\x20-\x7e]+")
-_TOKENS = (
-    # <|im_start|>, <|eot_id|>, <|start_header_id|>, DeepSeek's <｜User｜> ...
-    (re.compile(r"<[|｜]([^\s<>|｜]{0,64})[|｜]>"), r"‹\1›"),
-    (re.compile(r"<(/?)(s|bos|eos|pad|unk|start_of_turn|end_of_turn|think|tool_call|tool_response|tools"
-                r"|start_of_image|end_of_image)>", re.IGNORECASE), r"‹\1\2›"),
-    (re.compile(r"\[(/?)(INST|SYSTEM_PROMPT|AVAILABLE_TOOLS|TOOL_CALLS|TOOL_RESULTS|TOOL_CONTENT|THINK)\]"),
-     r"‹\1\2›"),
-    (re.compile(r"<<(/?)SYS>>"), r"‹\1SYS›"),
-)
-#: A line that is only a role header: "System:", "### Assistant:"; Alpaca's only after "#".
-_ROLE_LINE = re.compile(r"^([ \t]*(?:#{1,6}[ \t]*)?)(system|user|assistant|human|developer|instruction|response"
-                        r"|input)([ \t]*:[ \t]*)$", re.IGNORECASE | re.MULTILINE)
-_ALPACA = frozenset({"instruction", "response", "input"})
-
-
-def defang(text: str) -> str:
-    """Untrusted text made safe to quote in a prompt, still readable; idempotent.
-
-    Drops invisible characters (controls but newline and tab, zero-width, bidi overrides,
-    private use), and respells chat-template tokens and bare role-header lines with
-    ``‹ ›`` so that no tokenizer or reader takes them for the start of a turn.
-    """
-    text = text.replace("\r\n", "\n").replace("\r", "\n").translate(_NEWLINES)
-    text = _SUSPECT.sub(_visible, text)
-    changed = True
-    while changed:  # a respelled token can complete an outer one: <|<|x|>|>
-        before = text
-        for pattern, spelling in _TOKENS:
-            text = pattern.sub(spelling, text)
-        changed = text != before
-    return _ROLE_LINE.sub(_respell_role, text)
-
-
-def _visible(m: re.Match[str]) -> str:
-    return "".join(c for c in m.group(0) if unicodedata.category(c) not in _INVISIBLE)
-
-
-def _respell_role(m: re.Match[str]) -> str:
-    lead, role, colon = m.groups()
-    if role.lower() in _ALPACA and "#" not in lead:
-        return m.group(0)
-    return f"{lead}‹{role}›{colon}"

@@ -282,7 +282,7 @@ class Knowledge:
         pieces = await asyncio.to_thread(chunking.chunk, extracted.text, extracted.kind,
                                          size=int(self.settings.get("chunk_size", 1000)),
                                          overlap=int(self.settings.get("chunk_overlap", 150)))
-        rows = [Row(chunk_id(source.path, digest, n), source.path, n, p.heading, extract.defang(p.text))
+        rows = [Row(chunk_id(source.path, digest, n), source.path, n, p.heading, sdk.defang(p.text))
                 for n, p in enumerate(pieces)]
         rows = [r for r in rows if r.text.strip()]
         vectors: list[list[float]] | None = None
@@ -448,7 +448,7 @@ class Knowledge:
                     candidates = sorted(top, key=lambda c: -(c.rerank or 0.0)) + candidates[len(top):]
                     reranked = True
         docs = await asyncio.to_thread(col.docs_for, [rows[c.id].path for c in candidates[:k]])
-        hits = [search.hit(c, rows[c.id], docs.get(rows[c.id].path), extract.defang(rows[c.id].text), col.name)
+        hits = [search.hit(c, rows[c.id], docs.get(rows[c.id].path), sdk.defang(rows[c.id].text), col.name)
                 for c in candidates[:k]]
         return {"collection": col.name, "query": query, "hits": hits, "relevant_only": relevant_only,
                 "reranked": reranked, "rerank_model": rerank_model if reranked else None, "rerank_note": note,
