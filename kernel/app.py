@@ -8,6 +8,7 @@ routes are simply absent, so they answer 404.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ipaddress
 import logging
@@ -24,7 +25,7 @@ from litestar.openapi.plugins import ScalarRenderPlugin
 from litestar.routes import HTTPRoute
 
 from . import __version__, limits
-from .auth import ANONYMOUS, OPEN, Principal
+from .auth import ANONYMOUS, OPEN, WEB, Principal
 from .errors import LocalmError
 from .limits import LimitedRequest, too_large
 from .openapi import DescribedJson
@@ -62,6 +63,32 @@ def localhost_origin(origin: str) -> bool:
     return parts.scheme in ("http", "https") and is_loopback(parts.hostname)
 
 
+#: Names that always reach this machine from itself, whatever the bind address.
+LOCAL_NAMES = frozenset({"localhost", "host.docker.internal"})
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header, lower case, without its port, trailing dot or an IPv6
+    literal's brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host[1:]
+    return (host.rsplit(":", 1)[0] if host.count(":") == 1 else host).rstrip(".")
+
+
+@functools.lru_cache(maxsize=256)
+def local_host(name: str) -> bool:
+    """An address (no page's own name can be rebound to one) or a name that is always this
+    machine (localhost, *.localhost, host.docker.internal)."""
+    if name in LOCAL_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _header(scope: dict[str, Any], name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -94,6 +121,10 @@ class Guard:
             if scope["type"] in ("http", "websocket") and self.check(scope):
                 await self._preflight(scope, send)
                 return
+            opt = scope["route_handler"].opt
+            if scope["type"] == "http" and opt.get("cancel_on_disconnect", opt.get("access") == "inference"):
+                await until_disconnect(app, scope, receive, send)
+                return
             await app(scope, receive, send)
         return guard
 
@@ -106,18 +137,22 @@ class Guard:
         if preflight:
             opt = self.policy.get((scope.get("path_template", ""), requested.upper()), opt)
         access = opt.get("access", "managed")
+        self.check_host(scope)
         origin = _header(scope, b"origin")
         cross = origin is not None and not self._same_origin(scope, origin)
+        trusted = not cross
         if cross:
             assert origin is not None
-            if access == "inference" or localhost_origin(origin) or origin in self.kernel.cors_origins():
+            trusted = localhost_origin(origin) or origin in self.kernel.cors_origins()
+            if access == "inference" or trusted:
                 scope["localm_cors"] = origin
+                scope["localm_cors_credentials"] = trusted
             elif not (access == "public" and method in ("GET", "HEAD")):
                 raise LocalmError(403, f"Cross-origin request refused: {origin} is not an allowed origin "
                                        "(the owner can add it to cors_origins)")
         if preflight:
             return True
-        principal = self.identify(scope, opt, method, cross_ok=not cross or "localm_cors" in scope)
+        principal = self.identify(scope, opt, method, trusted=trusted)
         scope["localm_principal"] = principal
         if opt.get("expensive", access == "inference"):
             per_minute = int(self.kernel.config.get("expensive_requests_per_minute") or 0)
@@ -126,12 +161,31 @@ class Guard:
                 self.rates.check(limits.caller_id(principal, client[0] if client else None), per_minute)
         return False
 
+    def check_host(self, scope: dict[str, Any]) -> None:
+        """Refuse a Host this server does not answer to: a page whose own name resolves to this
+        machine (DNS rebinding) reaches nothing, and cannot pass for one of this server's pages."""
+        host = _header(scope, b"host")
+        if host is None:
+            return
+        name = host_name(host)
+        if local_host(name):
+            return
+        allowed = self.kernel.allowed_hosts()
+        if name in allowed or "*" in allowed:
+            return
+        raise LocalmError(403, f"Host not allowed: {name} is not a name this server answers to "
+                               "(the owner can add it to allowed_hosts)", code="host_not_allowed")
+
     @staticmethod
     def _same_origin(scope: dict[str, Any], origin: str) -> bool:
+        """The page is one of this server's own (its Host was checked before this is asked)."""
         host = _header(scope, b"host")
         return host is not None and origin in (f"http://{host}", f"https://{host}")
 
-    def identify(self, scope: dict[str, Any], opt: dict[str, Any], method: str, *, cross_ok: bool) -> Principal:
+    def identify(self, scope: dict[str, Any], opt: dict[str, Any], method: str, *, trusted: bool) -> Principal:
+        """Who is calling. ``trusted``: no Origin, this server's own page, a local page or a
+        cors_origins entry. Any other page's cookie is not taken for its user's, and in open
+        mode such a page is ``web`` (inference only)."""
         k = self.kernel
         access = opt.get("access", "managed")
         required = opt.get("scope")
@@ -148,7 +202,7 @@ class Guard:
         keyed = k.auth_required()
 
         if access == "public" or (access == "session" and keyed):
-            return self._soft_identify(bearer, attach, scope, keyed)
+            return self._soft_identify(bearer, attach and trusted, scope, keyed, trusted)
         if keyed:
             if bearer:
                 if attach:
@@ -159,7 +213,7 @@ class Guard:
                         raise LocalmError(401, "Invalid API key", headers={"WWW-Authenticate": "Bearer"})
                     principal = found
             else:
-                sid = _cookie(scope, COOKIE)
+                sid = _cookie(scope, COOKIE) if trusted else None
                 session = k.sessions.lookup(sid) if sid else None
                 if session is None:
                     detail = "Session expired or signed out; sign in again" if sid else "Missing API key"
@@ -171,10 +225,10 @@ class Guard:
                 raise LocalmError(403, f"Key lacks required scope: {required or 'a valid key'}")
             return principal
         # open mode: no key exists
-        if attach and cross_ok:
+        if attach and trusted:
             return ATTACH
         if access in ("inference", "open_read"):
-            return OPEN
+            return OPEN if trusted else WEB
         path = scope["path"]
         gated = (method not in SAFE_METHODS or path.startswith(("/api/", "/v1/")) or opt.get("gate")
                  or access == "session")
@@ -184,7 +238,8 @@ class Guard:
             raise LocalmError(403, OPEN_MODE_REFUSAL)
         return OPEN
 
-    def _soft_identify(self, bearer: str | None, attach: bool, scope: dict[str, Any], keyed: bool) -> Principal:
+    def _soft_identify(self, bearer: str | None, attach: bool, scope: dict[str, Any], keyed: bool,
+                       trusted: bool) -> Principal:
         """Who is calling a public route, if they say; never refuses."""
         if attach:
             return ATTACH
@@ -195,12 +250,12 @@ class Guard:
                 found = None
             if found is not None:
                 return found
-        sid = _cookie(scope, COOKIE)
+        sid = _cookie(scope, COOKIE) if trusted else None
         if sid:
             session = self.kernel.sessions.lookup(sid)
             if session is not None:
                 return session[0]
-        return ANONYMOUS if keyed else OPEN
+        return ANONYMOUS if keyed else OPEN if trusted else WEB
 
     async def _preflight(self, scope: dict[str, Any], send: Any) -> None:
         requested_headers = _header(scope, b"access-control-request-headers") or ""
@@ -213,6 +268,57 @@ class Guard:
         ]
         await send({"type": "http.response.start", "status": 204, "headers": headers})
         await send({"type": "http.response.body", "body": b""})
+
+
+async def until_disconnect(app: Any, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Run ``app`` for one request, and cancel it when the client goes away before the answer
+    has been sent: the work a client no longer waits for (a whole reply being generated, an
+    embedding, a transcription) stops at its next await, as a stream's does.
+
+    Once the body has been read, one watcher waits for the disconnect; the app's own later
+    ``receive()`` calls (a stream listening for the client leaving) hear it from the watcher."""
+    left = asyncio.Event()
+    read = asyncio.Event()
+    sent = False
+
+    async def app_receive() -> dict[str, Any]:
+        if read.is_set():
+            await left.wait()
+            return {"type": "http.disconnect"}
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            left.set()
+            read.set()
+        elif not message.get("more_body", False):
+            read.set()
+        return message
+
+    async def app_send(message: dict[str, Any]) -> None:
+        nonlocal sent
+        await send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            sent = True
+
+    task = asyncio.ensure_future(app(scope, app_receive, app_send))
+
+    async def watch() -> None:
+        await read.wait()
+        while not left.is_set():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                left.set()
+        if not sent and not task.done():
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not left.is_set():
+            raise  # the server is cancelling this request, not the client
+        log.debug("%s %s: the client went away; its request was cancelled", scope.get("method"), scope.get("path"))
+    finally:
+        watcher.cancel()
 
 
 # --- errors ----------------------------------------------------------------------
@@ -333,10 +439,10 @@ class KernelASGI:
                 status_box[0] = message["status"]
                 origin = scope.get("localm_cors")
                 if origin:
-                    message["headers"] = [*message.get("headers", []),
-                                          (b"access-control-allow-origin", origin.encode("latin-1")),
-                                          (b"access-control-allow-credentials", b"true"),
-                                          (b"vary", b"Origin")]
+                    cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+                    if scope.get("localm_cors_credentials"):  # cookies only for the owner's own pages
+                        cors.append((b"access-control-allow-credentials", b"true"))
+                    message["headers"] = [*message.get("headers", []), *cors]
             await send(message)
 
         if metrics is None:

@@ -11,7 +11,11 @@ Three kinds of credential:
 
 Keys are stored as SHA-256 hashes; a plaintext key is shown once, when it is made.
 The server is in *open mode* until a key exists: inference routes need nothing and
-management routes need the attach token.
+management routes need the attach token. In open mode a caller is the owner (``open``)
+only from this server's own pages, a local page or a ``cors_origins`` entry, or with no
+``Origin`` at all (a program): a browser page of any other origin is ``web``, which gets
+inference and nothing of the owner's (no scope, so no RAG collection, no memory, no
+plugin data).
 """
 
 from __future__ import annotations
@@ -84,7 +88,9 @@ def scope_satisfies(granted: frozenset[str], required: str) -> bool:
 class Principal:
     """Who is calling, and what they may do."""
 
-    kind: str  # "owner" | "key" | "attach" | "open" | "anonymous"
+    #: "owner" | "key" | "attach" | "open" (open mode: this machine's programs and pages) |
+    #: "web" (open mode: a page of another origin; inference only) | "anonymous" (no credential)
+    kind: str
     scopes: frozenset[str] = frozenset()
     key_id: str | None = None
     name: str | None = None
@@ -106,6 +112,8 @@ class Principal:
     def has(self, scope: str | None) -> bool:
         if self.kind in ("owner", "attach"):
             return True
+        if self.kind == "web":  # a page of another origin holds no scope at all
+            return False
         if scope is None:
             return self.kind != "anonymous"
         return scope_satisfies(self.scopes, scope)
@@ -118,6 +126,7 @@ class Principal:
 
 ANONYMOUS = Principal(kind="anonymous")
 OPEN = Principal(kind="open")
+WEB = Principal(kind="web")
 
 
 @attrs.frozen

@@ -32,6 +32,12 @@ class KernelSettings:
     cors_origins: list[str] = setting(factory=list, owner_only=True,
                                       description="Extra browser origins allowed to call the server "
                                                   "(localhost origins always are)")
+    allowed_hosts: list[str] = setting(factory=list, owner_only=True,
+                                       description="Extra names this server answers to in the Host header "
+                                                   "(addresses, localhost, this machine's name and the bind "
+                                                   "address always are; \"*\": any name). A request naming "
+                                                   "another host is a 403, so a web page whose own name "
+                                                   "resolves to this machine reaches nothing")
     require_auth: bool = setting(False, owner_only=True,
                                  description="Keep requiring a key even after every key is removed (only public "
                                              "routes and the local attach token get through); needs a key to set")

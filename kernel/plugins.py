@@ -481,7 +481,9 @@ class PluginHost:
     async def _activate(self, p: Plugin) -> None:
         p.error = p.hook_error = None
         try:
-            module = self._import(p)
+            # off the event loop: a plugin whose import is slow (a heavy library, or a sleep)
+            # holds up its own start, never the requests being served meanwhile
+            module = await asyncio.to_thread(self._import, p)
         except (Exception, SystemExit) as exc:  # a broken plugin never takes the server down
             self._forget_modules(p.name)
             p.error = _error_text(exc)

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +30,7 @@ from .models import ensure_default, pull
 from .metrics import Metrics
 from .plugins import PluginHost
 from .sessions import SessionStore
-from .storage import atomic_write_json
+from .storage import atomic_write_json, sweep_temporary
 
 log = logging.getLogger("localm")
 
@@ -42,6 +43,8 @@ class Kernel:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.bind_host = bind_host
         self.port = port
+        machine = socket.gethostname().lower().rstrip(".")
+        self._own_names = frozenset(n for n in (bind_host.lower(), machine, f"{machine}.local") if n)
         self.startup_model = model
         self.config = Config(self.data_dir)
         self.keys = KeyStore(self.data_dir)
@@ -72,6 +75,13 @@ class Kernel:
         value = self.config.get("cors_origins")
         return value if isinstance(value, list) else []
 
+    def allowed_hosts(self) -> frozenset[str]:
+        """Names the Host header may carry besides addresses and localhost: the bind address,
+        this machine's name and the allowed_hosts setting."""
+        value = self.config.get("allowed_hosts")
+        extra = [str(v).strip().lower().rstrip(".") for v in value if str(v).strip()] if isinstance(value, list) else []
+        return self._own_names.union(extra)
+
     def check_attach_token(self, value: str) -> bool:
         return hmac.compare_digest(value.encode(), self.attach_token.encode())
 
@@ -81,6 +91,9 @@ class Kernel:
 
     # --- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        removed = await asyncio.to_thread(sweep_temporary, self.data_dir)
+        if removed:
+            log.info("removed %d temporary file(s) a killed process left in the data dir", len(removed))
         try:
             await asyncio.to_thread(ensure_default, self.models.registry)
             if self.startup_model and self.models.registry.find(self.startup_model) is None:

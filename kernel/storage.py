@@ -2,8 +2,11 @@
 
 Every write goes to a temporary file beside the target, is flushed to disk and then
 renamed over it, so a reader sees the old bytes or the new ones and a failed write
-leaves the old file intact. A file that exists but cannot be parsed raises
-:class:`~localm.kernel.errors.Unreadable` and is never overwritten.
+leaves the old file intact. A temporary file is named after its writer's process
+(``.<name>.<pid>.<random>.tmp``), so the one a killed process left behind is recognised
+and removed when the server next starts (:func:`sweep_temporary`). A file that exists
+but cannot be parsed raises :class:`~localm.kernel.errors.Unreadable` and is never
+overwritten.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -20,13 +24,16 @@ import filelock
 from .errors import SaveTimeout, Unreadable
 
 LOCK_TIMEOUT = float(os.environ.get("LOCALM_LOCK_TIMEOUT", "10"))
+TMP_SUFFIX = ".tmp"
+#: ``.<name>.<pid>.<mkstemp's 8 characters>.tmp``
+_TMP_NAME = re.compile(r"^\..+\.(\d+)\.[a-z0-9_]{8}\.tmp$")
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` atomically; on any failure the old file stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=TMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             os.fchmod(fh.fileno(), mode)
@@ -44,6 +51,34 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
+
+
+def sweep_temporary(root: Path) -> list[Path]:
+    """Remove the temporary files of atomic writes whose process is gone (killed mid-write);
+    the files removed. Another live process's writes in progress are left alone."""
+    removed: list[Path] = []
+    for folder, dirs, files in os.walk(root):
+        for name in files:
+            m = _TMP_NAME.match(name)
+            if m is None or _alive(int(m.group(1))):
+                continue
+            path = Path(folder, name)
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 def atomic_write_json(path: Path, value: Any, *, mode: int = 0o644) -> None:

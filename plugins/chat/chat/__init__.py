@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 from localm import sdk
 
-from . import fields, pipeline, schema, scoring
+from . import compaction, fields, pipeline, schema, scoring
 from .request import Reader
 from .rerank import rerank_route
 from .service import ChatService, fingerprint  # noqa: F401  (scoring reads fingerprint from the package)
@@ -275,6 +275,14 @@ class Settings:
                                                                "(0: none)")
     default_max_tokens: int = sdk.setting(0, min=0, description="The reply cap of any other request that sends no "
                                                                 "max_tokens (0: none: the reply may fill the window)")
+    compaction_max_tokens: int = sdk.setting(compaction.MAX_TOKENS, min=0,
+                                             description="The most tokens of older conversation one request may have "
+                                                         "summarised to fit the context window (summaries kept from "
+                                                         "earlier turns cost nothing); a conversation that needs more "
+                                                         "is a 413 before any of it is read (0: never compact)")
+    compaction_timeout: float = sdk.setting(compaction.TIMEOUT, min=1.0,
+                                            description="The most seconds one request's compaction may take (a 413 "
+                                                        "past it)")
 
 
 @sdk.hookimpl

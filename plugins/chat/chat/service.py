@@ -312,13 +312,22 @@ class ChatService:
         #: the chat plugin's settings (a mapping, read on each request)
         self._settings = settings if settings is not None else {}
 
+    def _setting(self, name: str, default: Any) -> Any:
+        settings = self._settings() if callable(self._settings) else self._settings
+        value = settings.get(name)
+        return default if value is None else value
+
+    def _budget(self) -> compaction.Budget:
+        """What one request's compaction may spend (the chat plugin's settings)."""
+        return compaction.Budget(max_tokens=int(self._setting("compaction_max_tokens", compaction.MAX_TOKENS)),
+                                 seconds=float(self._setting("compaction_timeout", compaction.TIMEOUT)))
+
     def _capped(self, common: Common) -> Common:
         """A request that sends no max_tokens gets the chat plugin's cap for its kind: a front
         end's background task ``task_max_tokens``, any other ``default_max_tokens`` (0: none)."""
         if common.sampling.max_tokens is not None:
             return common
-        settings = self._settings() if callable(self._settings) else self._settings
-        cap = settings.get("task_max_tokens" if common.background else "default_max_tokens") or None
+        cap = self._setting("task_max_tokens" if common.background else "default_max_tokens", 0) or None
         if cap is None:
             return common
         return attrs.evolve(common, sampling=attrs.evolve(common.sampling, max_tokens=cap))
@@ -358,7 +367,11 @@ class ChatService:
             "chat", body, read, route=route, request=request, report=report, ignored=ignored, extra=extra,
             request_headers=request_headers)
 
+        budget = self._budget()
+
         def render(engine: Any) -> tuple[list[int], bool]:
+            if compact:  # more messages than any compaction could make fit: refused before rendering
+                compaction.check_count(messages, engine.capabilities.context_limit, budget)
             return chat_tokens(engine, messages, tools=options.tools, thinking=options.thinking)
 
         compacted: list[list[dict[str, Any]]] = []
@@ -368,7 +381,7 @@ class ChatService:
             chain.context.status("compacting", "Compacting: older messages are being summarised to fit the "
                                                "context window")
             found = await self.compactor.fit(engine, entry.id, messages, tools=options.tools,
-                                             thinking=options.thinking, window=window, room=room)
+                                             thinking=options.thinking, window=window, room=room, budget=budget)
             if found is None:
                 chain.statuses()  # nothing was compacted after all
                 return None
