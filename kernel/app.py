@@ -144,7 +144,7 @@ class Guard:
         if cross:
             assert origin is not None
             trusted = localhost_origin(origin) or origin in self.kernel.cors_origins()
-            if access == "inference" or trusted:
+            if (access == "inference" and opt.get("web", True)) or trusted:
                 scope["localm_cors"] = origin
                 scope["localm_cors_credentials"] = trusted
             elif not (access == "public" and method in ("GET", "HEAD")):

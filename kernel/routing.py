@@ -10,6 +10,12 @@ Every route says who may call it, in its ``opt``:
   ``"open_read"`` (like managed, but open mode needs no attach token), or ``"session"``
   (public once keys exist; in open mode only its GET is exempt from the attach token).
 - ``gate``: True makes open mode demand the attach token even for a GET outside /api and /v1.
+- ``web``: False keeps an inference route from web pages of other origins (a local page, a
+  ``cors_origins`` entry and programs still reach it): for a route that serves the owner's
+  data rather than inference. In open mode the pages it admits call as ``web``.
+- ``cancel_on_disconnect``: whether the handler is cancelled when its client goes away
+  before the answer is sent (default: True for inference routes, whose work nobody else
+  waits for; a management route finishes what it started).
 - ``error_family``: which renderer shapes its errors (``"openai"``, ``"ollama"``, ...).
 
 And what the OpenAPI document says of it (kernel/openapi.py): ``body`` (the model of the
@@ -35,7 +41,7 @@ def _opt(scope: Any, access: str, error_family: str | None, opt: dict[str, Any] 
     if access not in ACCESS:
         raise ValueError(f"access must be one of {ACCESS}")
     out = dict(opt or {})
-    for key in ("body", "body_required", "errors", "params", "expensive"):
+    for key in ("body", "body_required", "errors", "params", "expensive", "web", "cancel_on_disconnect"):
         if key in kwargs:
             out[key] = kwargs.pop(key)
     if scope is not _UNSET:

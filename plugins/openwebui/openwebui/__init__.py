@@ -68,13 +68,14 @@ async def _body(request: sdk.Request) -> dict[str, Any]:
     return body
 
 
-@sdk.get("/api/functions", scope=None, access="inference", summary="The Open WebUI Functions that run here")
+@sdk.get("/api/functions", scope=None, access="inference", web=False,
+         summary="The Open WebUI Functions that run here")
 async def list_functions() -> dict[str, Any]:
     functions = current()
     return {"functions": [functions.describe(fn) for _, fn in sorted(functions.loaded.items())]}
 
 
-@sdk.post("/api/functions/{action_id:str}/action", scope=None, access="inference",
+@sdk.post("/api/functions/{action_id:str}/action", scope=None, access="inference", web=False,
           summary="Run an Open WebUI Action on a message")
 async def run_action(request: sdk.Request, action_id: str) -> dict[str, Any]:
     body = await _body(request)
@@ -88,7 +89,7 @@ def _user_valves(fid: str) -> Any:
     return fn
 
 
-@sdk.get("/api/functions/{fid:str}/valves/user", scope=None, access="inference",
+@sdk.get("/api/functions/{fid:str}/valves/user", scope=None, access="inference", web=False,
          summary="The caller's UserValves of a Function")
 async def read_user_valves(request: sdk.Request, fid: str) -> dict[str, Any]:
     fn = _user_valves(fid)
@@ -97,7 +98,7 @@ async def read_user_valves(request: sdk.Request, fid: str) -> dict[str, Any]:
     return {"function": fid, "values": values, "fields": valves.schema(fn.user_valves_cls, values, None)}
 
 
-@sdk.post("/api/functions/{fid:str}/valves/user", scope=None, access="inference",
+@sdk.post("/api/functions/{fid:str}/valves/user", scope=None, access="inference", web=False,
           summary="Set the caller's UserValves of a Function (null or \"\" resets one)")
 async def write_user_valves(request: sdk.Request, fid: str) -> dict[str, Any]:
     fn = _user_valves(fid)

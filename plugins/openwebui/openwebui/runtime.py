@@ -39,7 +39,10 @@ STATUS_CODE = "function"
 
 
 def who(caller: Any) -> str:
-    """Whose UserValves a caller has: its key's id, or "owner"."""
+    """Whose UserValves a caller has: its key's id, "web" for a web page of another origin in
+    open mode (never the owner's), or "owner"."""
+    if getattr(caller, "kind", None) == "web":
+        return "web"
     return getattr(caller, "key_id", None) or "owner"
 
 
