@@ -246,3 +246,29 @@ def test_a_clip_just_under_the_limit_still_transcribes(srv: LocalmServer, warm: 
     assert r.status_code == 400 and r.json()["code"] == "audio_too_short", r.text
     assert r.json()["detail"] == ("messages[0].content[1]: the audio is 0.05 seconds long; audio in a chat must be "
                                   "0.1 seconds to 10 minutes long")
+
+
+def test_the_clips_of_one_chat_are_bounded_together(srv: LocalmServer, warm: int) -> None:
+    """Every clip within its 10 minutes, but four of nine minutes pass the 30 a request may carry:
+    the fourth is refused (before, a request's clips were unbounded in number)."""
+    clip = base64.b64encode(flac(9 * 60)).decode()
+    parts = [{"type": "input_audio", "input_audio": {"data": clip, "format": "flac"}} for _ in range(4)]
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=300, json={
+        "model": CHAT_MODEL, "max_tokens": 1,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Listen:"}, *parts]}]})
+    assert r.status_code == 400 and r.json()["code"] == "audio_too_long", r.text
+    assert r.json()["detail"] == ("messages[0].content[4]: the audio of this request passes 30 minutes in all, the "
+                                  "most one chat request may carry (send the transcript of earlier clips instead)")
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=300, json={
+        "model": CHAT_MODEL, "max_tokens": 1,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Listen:"}, *parts[:3]]}]})
+    assert r.status_code == 200 and r.headers["x-localm-transcribed-audio"].startswith("parts=3; seconds=1620.0;")
+
+
+def test_max_minutes_is_an_owner_only_setting(srv: LocalmServer) -> None:
+    listed = {p["plugin"]: p for p in srv.owner().get("/v1/plugins/settings").json()["plugins"]}
+    field = {f["key"]: f for f in listed["voice"]["fields"]}["max_minutes"]
+    assert (field["default"], field["owner_only"], field["min"], field["max"]) == (60, True, 1, 240), field
+    r = srv.owner().post("/v1/plugins/voice/settings", json={"max_minutes": 241})
+    assert r.status_code in (400, 422), r.text
+

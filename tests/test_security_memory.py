@@ -121,6 +121,21 @@ def test_consolidation_quotes_lines_and_facts_to_the_model_defanged(owner: httpx
     assert line in logged  # the log keeps the user's words as they were said
 
 
+def test_a_long_fact_is_shown_short_in_the_header(plain_owner: httpx.Client, plain: LocalmServer) -> None:
+    """A fact of 60,000 characters made X-Localm-Memory 60 KB, more than many clients read
+    (Node's HTTP parser stops at 16 KB): the header shows its first 200 characters."""
+    fact = "The user's cat Miso likes " + " ".join(f"toy{n}" for n in range(7000)) + "."
+    assert plain_owner.post("/api/memory/append", json={"text": fact}).status_code == 200
+    r = plain_owner.post("/v1/chat/completions", json={"model": "scribe-1", "messages": [
+        {"role": "user", "content": "Miso likes what?"}]})
+    assert r.status_code == 200, r.text
+    assert len(r.headers["x-localm-memory"]) < 1000
+    [shown] = json.loads(r.headers["x-localm-memory"])["items"]
+    assert len(shown["text"]) == 200 and shown["text"] == fact[:199] + "…"
+    assert fact in seen(plain)["messages"][0]["content"]  # the model is given the whole fact
+    assert [i["text"] for i in plain_owner.get("/api/memory").json()["items"]] == [fact]
+
+
 # --- concurrent writes on a fresh server ----------------------------------------------------------
 
 def test_concurrent_writes_to_a_freshly_started_server_all_succeed(server: Any) -> None:

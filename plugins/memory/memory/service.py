@@ -41,6 +41,9 @@ REPLY_TOKENS = 1024
 #: and searches for at most this many of its words: a long message costs no more than this.
 QUERY_CHARS = 2000
 QUERY_TERMS = 32
+#: X-Localm-Memory shows each recalled fact's first this many characters (the whole fact is
+#: in GET /api/memory): a long fact must not make the header too large for a client to read.
+HEADER_CHARS = 200
 
 
 def fact_schema(ids: list[str] | None = None) -> dict[str, Any]:
@@ -100,6 +103,11 @@ def _spaced(m: re.Match[str]) -> str:
 def clean(text: str) -> str:
     """A fact's text: one line, no control characters, collapsed spaces."""
     return " ".join(_SUSPECT.sub(_spaced, text).split())
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and an ellipsis."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def terms(text: str, limit: int = QUERY_TERMS) -> list[str]:
@@ -309,8 +317,8 @@ class Memory:
             context.status("recalling_memory", "Recalling memories")
         facts, reason = await self.recall(words[-1][-QUERY_CHARS:], int(self.settings.get("recall_k", 5)))
         ms = round((time.perf_counter() - started) * 1000, 2)
-        blob = {"count": len(facts), "items": [{"id": f["id"], "text": f["text"]} for f in facts],
-                "degraded": reason, "ms": ms}
+        shown = [{"id": f["id"], "text": shorten(f["text"], HEADER_CHARS)} for f in facts]
+        blob = {"count": len(facts), "items": shown, "degraded": reason, "ms": ms}
         context.header("X-Localm-Memory", json.dumps(blob, separators=(",", ":")))
         if not facts:
             return None
