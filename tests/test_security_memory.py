@@ -221,6 +221,20 @@ def test_an_oversized_write_is_refused_before_anything_is_embedded(server: Any) 
     assert r.status_code == 200 and loaded() is True  # an accepted write is embedded
 
 
+def test_accepting_a_correction_past_the_caps_is_a_413_that_changes_nothing(plain_owner: httpx.Client,
+                                                                         plain: LocalmServer) -> None:
+    owner = plain_owner
+    owner.put("/api/memory", json={"text": "x" * 63_900 + "\nThe user lives in Paris."})
+    paris = next(i["id"] for i in owner.get("/api/memory").json()["items"] if i["text"].endswith("Paris."))
+    with db(plain) as conn:
+        conn.execute("INSERT INTO corrections VALUES ('fix_big', 'update', ?, ?, 'The user lives in Paris.', 0.9, 0, 0)",
+                     ("The user lives in " + "a very long town name " * 12 + "now.", paris))
+    before = owner.get("/api/memory").json(), owner.get("/api/memory/forgotten").json()
+    r = owner.post("/api/memory/corrections/fix_big/accept")
+    assert r.status_code == 413 and r.json()["code"] == "memory_full", r.text
+    assert (owner.get("/api/memory").json(), owner.get("/api/memory/forgotten").json()) == before
+
+
 # --- bounded tables ----------------------------------------------------------------------------------
 
 def test_the_archive_keeps_the_newest_within_its_bounds(plain_owner: httpx.Client, plain: LocalmServer) -> None:

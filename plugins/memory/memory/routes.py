@@ -227,6 +227,8 @@ async def _correction(correction_id: str, accept: bool) -> dict[str, Any]:
                 return {"status": "target_gone", **out}
             if not accept:
                 return {"status": "rejected", **out}
+            if c["action"] == "update":  # within the caps, or a 413 that changes nothing (the proposal stays)
+                m.store.check_caps(conn, chars=len(c["proposed_text"] or ""), removing_chars=len(target["text"]))
             try:
                 m.store.archive(conn, target, "corrected")
             except sqlite3.Error as exc:
