@@ -12,7 +12,12 @@ from localm import sdk
 
 from . import current, schema
 from .service import clean
-from .store import KINDS, item, pack
+from .store import KINDS, MAX_CHARS, item, pack
+
+#: The largest body a write route reads (832,000 bytes): everything memory can hold, as JSON
+#: at its most escaped (a character as a 12-byte surrogate pair), and room for the rest. A
+#: larger one is a 413 before it is read.
+MAX_BODY = 13 * MAX_CHARS
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
@@ -35,6 +40,9 @@ def _text(body: dict[str, Any]) -> str:
     text = clean(value)
     if not text:
         raise sdk.LocalmError(400, "text must not be empty", code="empty_text")
+    if len(text) > MAX_CHARS:
+        raise sdk.LocalmError(413, f"The fact is {len(text)} characters: memory holds at most {MAX_CHARS} in all",
+                              code="memory_full")
     return text
 
 
@@ -61,7 +69,8 @@ async def read_memory() -> dict[str, Any]:
             "embedder_model": m.embedder_name()}
 
 
-@sdk.put("/api/memory", summary="Bulk edit: one fact per line", body=schema.BulkEdit, errors=schema.WRITE)
+@sdk.put("/api/memory", summary="Bulk edit: one fact per line", body=schema.BulkEdit, errors=schema.WRITE,
+          request_max_body_size=MAX_BODY)
 async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
     m = current()
     m.check_writable()
@@ -86,6 +95,7 @@ async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
             return changes(conn)[1]
     # refused before any embedding; only the lines that are new are embedded
     fresh = await asyncio.to_thread(plan)
+    m.store.claim()  # a 409 before any embedding
     entry, vectors, _ = await m.embed(fresh) if fresh else (None, None, None)
     vector_of = dict(zip(fresh, vectors)) if vectors else {}
 
@@ -103,7 +113,8 @@ async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
     return {"status": "saved", "count": count}
 
 
-@sdk.post("/api/memory/append", summary="Add one fact", body=schema.Append, errors=schema.WRITE)
+@sdk.post("/api/memory/append", summary="Add one fact", body=schema.Append, errors=schema.WRITE,
+          request_max_body_size=MAX_BODY)
 async def append(request: sdk.Request) -> dict[str, Any]:
     m = current()
     m.check_writable()
@@ -113,6 +124,12 @@ async def append(request: sdk.Request) -> dict[str, Any]:
     kind = body.get("kind", "fact")
     if kind not in KINDS:
         raise sdk.LocalmError(400, f"kind must be one of {', '.join(KINDS)}", code="invalid_parameter")
+
+    def fits() -> None:
+        with m.store.connect() as conn:
+            m.store.check_caps(conn, adding=1, chars=len(text))
+    await asyncio.to_thread(fits)  # refused before any embedding (and again inside the transaction)
+    m.store.claim()  # a 409 before any embedding
     entry, vectors, _ = await m.embed([text])
 
     def save() -> str:
@@ -126,7 +143,7 @@ async def append(request: sdk.Request) -> dict[str, Any]:
 
 
 @sdk.patch("/api/memory/{fact_id:str}", summary="Edit one fact's text or importance", body=schema.Edit,
-           errors={**schema.WRITE, 404: "No such fact (fact_not_found)"})
+           errors={**schema.WRITE, 404: "No such fact (fact_not_found)"}, request_max_body_size=MAX_BODY)
 async def edit(request: sdk.Request, fact_id: str) -> dict[str, Any]:
     m = current()
     m.check_writable()
@@ -135,15 +152,27 @@ async def edit(request: sdk.Request, fact_id: str) -> dict[str, Any]:
         raise sdk.LocalmError(400, "Send text, importance or both", code="invalid_parameter")
     text = _text(body) if "text" in body else None
     importance = _importance(body, None)
-    entry, vectors, _ = await m.embed([text]) if text is not None else (None, None, None)
+
+    def check(conn: Any) -> Any:
+        row = conn.execute("SELECT * FROM facts WHERE id = ?", (fact_id,)).fetchone()
+        if row is None:
+            raise sdk.LocalmError(404, f"No fact {fact_id}", code="fact_not_found")
+        if text is not None and text != row["text"]:
+            m.store.check_caps(conn, chars=len(text), removing_chars=len(row["text"]))
+        return row
+
+    def fits() -> Any:
+        with m.store.connect() as conn:
+            return check(conn)
+    before = await asyncio.to_thread(fits)  # refused before any embedding (and again inside the transaction)
+    m.store.claim()  # a 409 before any embedding
+    changed = text is not None and text != before["text"]
+    entry, vectors, _ = await m.embed([text]) if changed else (None, None, None)
 
     def save() -> Any:
         with m.store.write() as conn:
-            row = conn.execute("SELECT * FROM facts WHERE id = ?", (fact_id,)).fetchone()
-            if row is None:
-                raise sdk.LocalmError(404, f"No fact {fact_id}", code="fact_not_found")
+            row = check(conn)
             if text is not None and text != row["text"]:
-                m.store.check_caps(conn, chars=len(text), removing_chars=len(row["text"]))
                 m.store.archive(conn, row, "edited")
                 conn.execute("UPDATE facts SET text = ?, vec = ?, vec_model = ?, updated = ? WHERE id = ?",
                              (text, None if vectors is None else pack(vectors[0]),
@@ -182,6 +211,7 @@ async def _correction(correction_id: str, accept: bool) -> dict[str, Any]:
     found = next((c for c in await asyncio.to_thread(m.store.corrections) if c["id"] == correction_id), None)
     if found is None:
         raise sdk.LocalmError(404, f"No correction {correction_id}", code="correction_not_found")
+    m.store.claim()  # a 409 before any embedding
     if accept and found["action"] == "update" and found["proposed_text"]:
         entry, vectors, _ = await m.embed([found["proposed_text"]])
 
@@ -197,6 +227,8 @@ async def _correction(correction_id: str, accept: bool) -> dict[str, Any]:
                 return {"status": "target_gone", **out}
             if not accept:
                 return {"status": "rejected", **out}
+            if c["action"] == "update":  # within the caps, or a 413 that changes nothing (the proposal stays)
+                m.store.check_caps(conn, chars=len(c["proposed_text"] or ""), removing_chars=len(target["text"]))
             try:
                 m.store.archive(conn, target, "corrected")
             except sqlite3.Error as exc:

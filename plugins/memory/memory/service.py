@@ -24,7 +24,7 @@ from typing import Any
 
 from localm import sdk
 
-from .store import KINDS, MAX_CHARS, MAX_RECORDS, Store, item, pack, unpack
+from .store import KINDS, LINE_CHARS, MAX_CHARS, MAX_RECORDS, Store, item, pack, unpack
 
 log = logging.getLogger("localm.plugin.memory")
 
@@ -37,6 +37,13 @@ SIMILAR = 0.86  # a new fact this close to a saved one, but not the same, is a c
 #: Long enough for the schema's whole document at ordinary sentence lengths; a reply cut here
 #: still gives the facts it finished (see ``salvage_facts``).
 REPLY_TOKENS = 1024
+#: Recall reads this much of the user's latest message (its end, where a question usually is)
+#: and searches for at most this many of its words: a long message costs no more than this.
+QUERY_CHARS = 2000
+QUERY_TERMS = 32
+#: X-Localm-Memory shows each recalled fact's first this many characters (the whole fact is
+#: in GET /api/memory): a long fact must not make the header too large for a client to read.
+HEADER_CHARS = 200
 
 
 def fact_schema(ids: list[str] | None = None) -> dict[str, Any]:
@@ -86,13 +93,25 @@ def own_words(messages: Any) -> list[str]:
     return out
 
 
+_SUSPECT = re.compile(r"[^\x20-\x7e]+")  # runs of characters other than printable ASCII
+
+
+def _spaced(m: re.Match[str]) -> str:
+    return "".join(" " if unicodedata.category(c)[0] == "C" else c for c in m.group(0))
+
+
 def clean(text: str) -> str:
     """A fact's text: one line, no control characters, collapsed spaces."""
-    text = "".join(" " if unicodedata.category(c)[0] == "C" else c for c in text)
-    return " ".join(text.split())
+    return " ".join(_SUSPECT.sub(_spaced, text).split())
 
 
-def terms(text: str) -> list[str]:
+def shorten(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and an ellipsis."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def terms(text: str, limit: int = QUERY_TERMS) -> list[str]:
+    """The words of ``text`` worth searching for (at most ``limit``, the first ones)."""
     seen: set[str] = set()
     out = []
     for m in _WORD.finditer(text):
@@ -101,6 +120,8 @@ def terms(text: str) -> list[str]:
             continue
         seen.add(word.lower())
         out.append(word)
+        if len(out) >= limit:
+            break
     return out
 
 
@@ -294,10 +315,10 @@ class Memory:
         started = time.perf_counter()
         if await self.rows():  # with nothing stored there is no recall to wait for
             context.status("recalling_memory", "Recalling memories")
-        facts, reason = await self.recall(words[-1], int(self.settings.get("recall_k", 5)))
+        facts, reason = await self.recall(words[-1][-QUERY_CHARS:], int(self.settings.get("recall_k", 5)))
         ms = round((time.perf_counter() - started) * 1000, 2)
-        blob = {"count": len(facts), "items": [{"id": f["id"], "text": f["text"]} for f in facts],
-                "degraded": reason, "ms": ms}
+        shown = [{"id": f["id"], "text": shorten(f["text"], HEADER_CHARS)} for f in facts]
+        blob = {"count": len(facts), "items": shown, "degraded": reason, "ms": ms}
         context.header("X-Localm-Memory", json.dumps(blob, separators=(",", ":")))
         if not facts:
             return None
@@ -312,7 +333,8 @@ class Memory:
                 except sdk.LocalmError:
                     pass  # another process holds the namespace
             self.later(count())
-        note = NOTE + "\n" + "\n".join(f"- {f['text']}" for f in facts)
+        # a fact is kept as the user wrote it, and defanged as it is put in front of the model
+        note = NOTE + "\n" + "\n".join(f"- {sdk.defang(f['text'])}" for f in facts)
         messages = list(request["messages"])
         first = messages[0] if messages else None
         if isinstance(first, dict) and first.get("role") in ("system", "developer") and isinstance(
@@ -336,7 +358,7 @@ class Memory:
 
         def log_it() -> None:
             with self.store.write() as conn:
-                self.store.log_turn(conn, session, words[-1][:4000])
+                self.store.log_turn(conn, session, words[-1][:LINE_CHARS])
 
         async def keep() -> None:
             try:
@@ -364,9 +386,10 @@ class Memory:
                 return {"status": "skipped", "reason": "no_sessions", "added": 0}
             model = self.chat_model()
             rows = await asyncio.to_thread(self.store.facts)
-            lines = "\n".join(f"- {t['text'][:500]}" for t in turns[-40:])
+            # what the user said and saved is quoted to the model defanged (the store keeps it as written)
+            lines = "\n".join(f"- {sdk.defang(t['text'][:500])}" for t in turns[-40:])
             shown = rows[-60:]
-            known = "\n".join(f"[{r['id']}] {r['text']}" for r in shown) or "(none)"
+            known = "\n".join(f"[{r['id']}] {sdk.defang(r['text'])}" for r in shown) or "(none)"
             schema = fact_schema([r["id"] for r in shown])
             body = {"model": model, "temperature": 0, "max_tokens": REPLY_TOKENS,
                     "response_format": {"type": "json_schema", "json_schema": {
@@ -436,6 +459,7 @@ class Memory:
                                 (f"fix_{key}", text, target["id"], target["text"], round(confidence, 3), time.time(),
                                  target["updated"]))
                             counts["proposed"] += cursor.rowcount
+                            self.store.prune_corrections(conn)
                             continue
                         try:
                             self.store.check_caps(conn, adding=1, chars=len(text))

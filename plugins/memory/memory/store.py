@@ -3,9 +3,12 @@ user's own lines of each session, an FTS5 index, and a vector per fact.
 
 Every change is one transaction, committed before the route answers: a fact the server
 acknowledged survives a SIGKILL. A fact that is deleted or replaced is archived first, in
-the same transaction, so it can be restored. The namespace (this data directory's memory)
-belongs to one server process at a time: the first to write holds ``namespace.lock`` until
-it stops, and another process's writes answer 409.
+the same transaction, so it can be restored. Every table is bounded: the facts by their
+caps (a write past them is refused), the archive, the log of the user's lines and the
+pending corrections by keeping their newest rows (the oldest are dropped in the transaction
+that adds one). The namespace (this data directory's memory) belongs to one server process
+at a time: the first to write holds ``namespace.lock`` until it stops, and another
+process's writes answer 409.
 """
 
 from __future__ import annotations
@@ -26,6 +29,16 @@ from localm import sdk
 
 MAX_RECORDS = 256
 MAX_CHARS = 64_000
+#: The archive of forgotten facts keeps the newest this many, and this many characters of
+#: them (four times what memory itself holds): the oldest go in the transaction that archives more.
+MAX_ARCHIVED = 1024
+MAX_ARCHIVED_CHARS = 4 * MAX_CHARS
+#: The log of the user's own lines keeps the newest this many (consolidation reads the newest
+#: 40 it has not read); a line is cut to LINE_CHARS when it is logged.
+MAX_TURNS = 500
+LINE_CHARS = 4000
+#: Pending correction proposals kept, the newest.
+MAX_CORRECTIONS = 64
 KINDS = ("fact", "preference", "episodic")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -117,6 +130,8 @@ class Store:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / "memory.db"
         self._lock = filelock.FileLock(str(self.folder / "namespace.lock"), thread_local=False)
+        self._holding = threading.Lock()  # one thread at a time takes (or releases) the namespace
+        self._held = False
         self._writing = threading.Lock()
         with self.connect() as conn:
             conn.execute("PRAGMA journal_mode=WAL")
@@ -135,25 +150,38 @@ class Store:
             conn.close()
 
     def hold(self) -> bool:
-        """Take the namespace for this process (kept until ``release``); False when another holds it."""
-        if self._lock.is_locked:
+        """Take the namespace for this process (kept until ``release``); False when another holds it.
+
+        Writes arrive from several threads at once (each route's ``asyncio.to_thread``): they
+        take the namespace one at a time, so the first takes it and the others find it held by
+        this process, where two racing for the file lock would see each other as another process."""
+        with self._holding:
+            if self._held:
+                return True
+            try:
+                self._lock.acquire(timeout=0)
+            except filelock.Timeout:
+                return False
+            self._held = True
             return True
-        try:
-            self._lock.acquire(timeout=0)
-        except filelock.Timeout:
-            return False
-        return True
+
+    def claim(self) -> None:
+        """``hold``, or a 409 when another process holds the namespace: a route calls it before
+        any costly work (embedding), and every write transaction again."""
+        if not self.hold():
+            raise sdk.LocalmError(409, "Another localm process holds this memory namespace; stop it, or write "
+                                       "through it", code="namespace_busy")
 
     def release(self) -> None:
-        if self._lock.is_locked:
-            self._lock.release(force=True)
+        with self._holding:
+            if self._held:
+                self._lock.release(force=True)
+                self._held = False
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction in this process's namespace (409 when another process holds it)."""
-        if not self.hold():
-            raise sdk.LocalmError(409, "Another localm process holds this memory namespace; stop it, or write "
-                                       "through it", code="namespace_busy")
+        self.claim()
         with self._writing, self.connect() as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -226,11 +254,16 @@ class Store:
 
     @staticmethod
     def archive(conn: sqlite3.Connection, row: sqlite3.Row, reason: str) -> str:
+        """Archive a fact's current value; past the archive's bounds the oldest archived go."""
         archive_id = new_id("forgot")
         conn.execute("INSERT INTO archive(id, fact_id, text, importance, source, kind, reason, forgotten_at) "
                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                      (archive_id, row["id"], row["text"], row["importance"], row["source"], row["kind"], reason,
                       time.time()))
+        conn.execute("DELETE FROM archive WHERE rowid IN (SELECT rowid FROM (SELECT rowid, row_number() OVER newest "
+                     "AS n, sum(length(text)) OVER newest AS chars FROM archive WINDOW newest AS (ORDER BY "
+                     "forgotten_at DESC, rowid DESC)) WHERE n > ? OR chars > ?)",
+                     (MAX_ARCHIVED, MAX_ARCHIVED_CHARS))
         return archive_id
 
     def delete(self, conn: sqlite3.Connection, row: sqlite3.Row, reason: str) -> None:
@@ -240,9 +273,19 @@ class Store:
 
     @staticmethod
     def log_turn(conn: sqlite3.Connection, session: str, text: str) -> bool:
-        """Remember a user line of a session once; False when it is already there."""
+        """Remember a user line of a session once (cut to LINE_CHARS); False when it is already
+        there. Past MAX_TURNS lines, the oldest go."""
+        text = text[:LINE_CHARS]
         seen = conn.execute("SELECT 1 FROM turns WHERE session = ? AND text = ?", (session, text)).fetchone()
         if seen:
             return False
         conn.execute("INSERT INTO turns(session, text, created) VALUES (?, ?, ?)", (session, text, time.time()))
+        conn.execute("DELETE FROM turns WHERE rowid <= (SELECT rowid FROM turns ORDER BY rowid DESC LIMIT 1 OFFSET ?)",
+                     (MAX_TURNS,))
         return True
+
+    @staticmethod
+    def prune_corrections(conn: sqlite3.Connection) -> None:
+        """Keep the newest MAX_CORRECTIONS pending proposals."""
+        conn.execute("DELETE FROM corrections WHERE id IN (SELECT id FROM corrections ORDER BY created DESC, "
+                     "rowid DESC LIMIT -1 OFFSET ?)", (MAX_CORRECTIONS,))

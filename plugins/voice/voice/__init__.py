@@ -13,6 +13,7 @@ from typing import Any, Literal
 import attrs
 from localm import sdk
 
+from .engine import MAX_MINUTES
 from .service import Voice
 
 _STATE: dict[str, Voice] = {}
@@ -35,6 +36,11 @@ class Settings:
                                                      "that cannot hear")
     queue_limit: int = sdk.setting(16, min=1, max=1000, description="Transcriptions running or waiting before "
                                                                     "another is refused (503)")
+    max_minutes: int = sdk.setting(
+        MAX_MINUTES, min=1, max=240, owner_only=True,
+        description="The longest clip POST /v1/audio/transcriptions takes, in minutes (longer: 413, told by its "
+                    "header before decoding or found while decoding); an hour of audio holds about 0.8 GB while "
+                    "it is transcribed")
 
 
 def current() -> Voice:

@@ -6,6 +6,10 @@ translates its own) sent to a model that cannot hear is transcribed by Whisper, 
 transcript takes the part's place as text: the model answers what was said. The response
 says so in ``X-Localm-Transcribed-Audio``; a streamed one also gets a ``transcribing``
 status. A model that hears audio (``audio_input`` in the registry) gets the clip as sent.
+Each clip must be 0.1 seconds to 10 minutes long, as for a model that hears, and the clips
+of one request 30 minutes in all: a clip's length is checked by its header before it is
+decoded and while it is (audio.py), so a small clip that would decode to hours is refused
+(400) without being decoded.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ from .engine import Options
 
 #: An encoded clip in a chat may be this large (base64 decoded), as for models that hear.
 MAX_CHAT_AUDIO = 50 * 1024 * 1024
+#: And this long, in seconds, as for models that hear (the spec's 0.1 seconds to 10 minutes):
+#: checked by its header before it is decoded, and while it is.
+MIN_CHAT_SECONDS = 0.1
+MAX_CHAT_SECONDS = 600.0
+#: The clips of one request together: a conversation resends its earlier clips with every
+#: turn, but one request is never more than this much transcription.
+MAX_CHAT_TOTAL_SECONDS = 1800.0
 
 
 def audio_parts(messages: Any) -> list[tuple[int, int]]:
@@ -48,12 +59,34 @@ def clip(part: dict[str, Any], where: str) -> bytes:
     if data.startswith("data:"):
         data = data.partition(",")[2]
     if len(data) * 3 // 4 > MAX_CHAT_AUDIO:
-        raise sdk.LocalmError(413, f"{where}: the clip is larger than {MAX_CHAT_AUDIO // (1024 * 1024)} MB",
-                              code="file_too_large")
+        raise sdk.LocalmError(400, f"{where}: the clip is larger than the {MAX_CHAT_AUDIO // (1024 * 1024)} MB "
+                                   "a chat's audio may be", code="invalid_audio")
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise sdk.LocalmError(400, f"{where}.input_audio.data is not valid base64", code="invalid_audio") from None
+
+
+async def transcribe(voice: Any, data: bytes, entry: Any, where: str, left: float) -> Any:
+    """Transcribe one clip of a chat, 0.1 seconds to 10 minutes long and no longer than the
+    ``left`` seconds of the request's 30 minutes (else a 400 saying why)."""
+    from .audio import TooLong, TooShort, span
+
+    allowed = f"audio in a chat must be {span(MIN_CHAT_SECONDS)} to {span(MAX_CHAT_SECONDS)} long"
+    limit = max(0.0, min(MAX_CHAT_SECONDS, left))
+    try:
+        _, transcript = await voice.hear(data, Options(max_seconds=limit, min_seconds=MIN_CHAT_SECONDS), entry=entry)
+    except TooLong as exc:
+        if limit < MAX_CHAT_SECONDS and (exc.seconds is None or exc.seconds <= MAX_CHAT_SECONDS):
+            raise sdk.LocalmError(400, f"{where}: the audio of this request passes {span(MAX_CHAT_TOTAL_SECONDS)} "
+                                       "in all, the most one chat request may carry (send the transcript of earlier "
+                                       "clips instead)", code="audio_too_long", param=where) from None
+        raise sdk.LocalmError(400, f"{where}: the audio is {exc.length()}; {allowed}", code="audio_too_long",
+                              param=where) from None
+    except TooShort as exc:
+        raise sdk.LocalmError(400, f"{where}: the audio is {span(exc.seconds)} long; {allowed}",
+                              code="audio_too_short", param=where) from None
+    return transcript
 
 
 async def inlet(voice: Any, request: dict[str, Any], context: Any) -> dict[str, Any] | None:
@@ -67,11 +100,13 @@ async def inlet(voice: Any, request: dict[str, Any], context: Any) -> dict[str, 
     entry = await voice.resolve(None)
     context.status("transcribing", f"Transcribing {len(found)} audio clip{'s' * (len(found) > 1)}")
     messages = [dict(m) if isinstance(m, dict) else m for m in request["messages"]]
+    # every clip's base64 is read before any is transcribed
+    clips = {(i, j): clip(messages[i]["content"][j], f"messages[{i}].content[{j}]") for i, j in found}
     seconds = 0.0
     for i, j in found:
         where = f"messages[{i}].content[{j}]"
         content = messages[i]["content"] = list(messages[i]["content"])
-        _, transcript = await voice.transcribe(clip(content[j], where), Options(), entry=entry)
+        transcript = await transcribe(voice, clips.pop((i, j)), entry, where, MAX_CHAT_TOTAL_SECONDS - seconds)
         seconds += transcript.duration
         content[j] = {"type": "text", "text": transcript.text}
     context.header("X-Localm-Transcribed-Audio", f'parts={len(found)}; seconds={seconds:.1f}; model="{entry.id}"')

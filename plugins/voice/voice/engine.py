@@ -5,14 +5,13 @@ Requests wait their turn in the engine's queue (``sdk.engines.Serial``): one cli
 transcribed at a time, off the event loop, so a transcription never blocks the server nor
 a chat (which decodes on its own engine's thread). A request that is cancelled while it
 waits leaves the queue; one cancelled while it runs stops at the next segment. The audio
-is decoded from memory with PyAV (what faster-whisper reads files with) and never written
-anywhere.
+is decoded from memory with PyAV (what faster-whisper reads files with), within the
+request's length limit (audio.py), and never written anywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import threading
 from pathlib import Path
@@ -22,7 +21,10 @@ import attrs
 from localm import sdk
 from localm.sdk import engines as spec
 
-SAMPLE_RATE = 16000  # what Whisper listens at
+from .audio import decode
+
+#: A transcription's longest clip unless the request says otherwise (the max_minutes setting's default).
+MAX_MINUTES = 60
 
 
 @attrs.frozen
@@ -35,6 +37,10 @@ class Options:
     words: bool = False
     beam_size: int = 5
     vad_filter: bool = True
+    #: The clip may be at most this long (by its header before decoding, and while decoding)
+    #: and at least min_seconds. None: the voice plugin's max_minutes setting.
+    max_seconds: float | None = None
+    min_seconds: float = 0.0
 
 
 @attrs.frozen
@@ -72,10 +78,6 @@ class Transcript:
         return "".join(s.text for s in self.segments).strip()
 
 
-class Undecodable(Exception):
-    """The bytes are not audio PyAV can read (the reason, without any path)."""
-
-
 class Cancelled(Exception):
     """The client left; the work stopped."""
 
@@ -83,18 +85,6 @@ class Cancelled(Exception):
 def threads(setting: int) -> int:
     """CPU threads for CTranslate2: the setting, or every core up to four."""
     return setting or min(4, os.cpu_count() or 1)
-
-
-def decode(data: bytes) -> Any:
-    """Mono float32 samples at 16 kHz from an encoded clip held in memory."""
-    import av
-    from faster_whisper.audio import decode_audio
-
-    try:
-        return decode_audio(io.BytesIO(data), sampling_rate=SAMPLE_RATE)
-    except (av.error.FFmpegError, IndexError, ValueError, OSError, EOFError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc).split(";")[0].strip() or type(exc).__name__
-        raise Undecodable(reason) from None
 
 
 def load_model(path: str, settings: dict[str, Any]) -> Any:
@@ -166,7 +156,8 @@ class WhisperEngine:
         def work() -> Transcript:
             if cancelled.is_set():
                 raise Cancelled()
-            return run(self.model, decode(data), options, cancelled)
+            limit = options.max_seconds if options.max_seconds is not None else MAX_MINUTES * 60.0
+            return run(self.model, decode(data, limit, options.min_seconds), options, cancelled)
 
         try:
             return await self._serial.call(work)

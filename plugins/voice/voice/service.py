@@ -1,7 +1,8 @@
 """The voice service: which model transcribes, and transcribing with it.
 
 Offered to other plugins as ``host.service("voice")``: ``await voice.transcribe(data,
-options, model=None)`` returns ``(registry entry, Transcript)``.
+options, model=None)`` returns ``(registry entry, Transcript)``, the clip's length bounded
+by ``options.max_seconds`` (by default the max_minutes setting) before and while it is decoded.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import attrs
 from localm import sdk
 
 from .engine import Options, Transcript
@@ -133,11 +135,41 @@ class Voice:
                                   param="language")
         return code
 
+    def max_seconds(self) -> float:
+        """The longest clip a transcription takes (the max_minutes setting), in seconds."""
+        from .engine import MAX_MINUTES
+
+        return float(self.settings.get("max_minutes") or MAX_MINUTES) * 60.0
+
     async def transcribe(self, data: bytes, options: Options, *, model: str | None = None,
                          entry: Any = None) -> tuple[Any, Transcript]:
-        """Transcribe an encoded clip held in memory: (the model's registry entry, the transcript)."""
-        from .engine import Undecodable
+        """Transcribe an encoded clip held in memory: (the model's registry entry, the transcript).
 
+        The clip may be ``options.max_seconds`` long (left None: the max_minutes setting),
+        checked by its header before it is decoded and while it is: a longer one is a 413
+        (``audio_too_long``), one shorter than ``options.min_seconds`` a 400 (``audio_too_short``)."""
+        from .audio import TooLong, TooShort, span
+
+        try:
+            return await self.hear(data, options, model=model, entry=entry)
+        except TooLong as exc:
+            minutes = exc.limit / 60
+            limit = f"{minutes:g} minute{'s' * (minutes != 1)}"
+            raise sdk.LocalmError(413, f"The audio is {exc.length(limit)}: a transcription takes at most {limit} "
+                                       "(the voice plugin's max_minutes setting)",
+                                  code="audio_too_long", limit_seconds=exc.limit) from None
+        except TooShort as exc:
+            raise sdk.LocalmError(400, f"The audio is {span(exc.seconds)} long: at least {span(exc.limit)} is "
+                                       "needed", code="audio_too_short", limit_seconds=exc.limit) from None
+
+    async def hear(self, data: bytes, options: Options, *, model: str | None = None,
+                   entry: Any = None) -> tuple[Any, Transcript]:
+        """``transcribe``, but a clip too long or too short raises audio.TooLong or audio.TooShort
+        for the caller to refuse in its own words."""
+        from .audio import Undecodable
+
+        if options.max_seconds is None:
+            options = attrs.evolve(options, max_seconds=self.max_seconds())
         entry = entry or await self.resolve(model)
         try:
             async with self.host.models.use(entry.id) as resident:
