@@ -94,7 +94,9 @@ async def inlet(voice: Any, request: dict[str, Any], context: Any) -> dict[str, 
     if not found or not voice.settings.get("chat_audio", True) or hears(context.host, request.get("model")):
         return None
     caller = context.caller
-    if caller is not None and caller.kind != "open" and not caller.has("voice"):
+    # transcription is inference: open to open mode's callers, a web page's included, as the
+    # transcription route is; a key needs the voice scope
+    if caller is not None and caller.kind not in ("open", "web") and not caller.has("voice"):
         raise sdk.LocalmError(403, "Audio in a chat is transcribed by the voice plugin, which needs the voice scope",
                               code="missing_scope")
     entry = await voice.resolve(None)
