@@ -70,7 +70,7 @@ def _text(message: dict[str, Any]) -> str:
 
 #: Defaults of the chat plugin's compaction_max_tokens and compaction_timeout settings.
 MAX_TOKENS = 16_384
-TIMEOUT = 120.0
+TIMEOUT = 600.0
 
 
 @attrs.frozen
