@@ -91,7 +91,9 @@ def quote(text: str) -> str:
 def knowledge_message(hits: list[dict[str, Any]]) -> str:
     parts = [INSTRUCTIONS]
     for n, h in enumerate(hits, 1):
-        where = h["filename"] + (f" — {h['heading']}" if h.get("heading") else "")
+        # the file name and heading come from the document (an upload names itself): defanged too
+        where = sdk.defang(h["filename"] + (f" — {h['heading']}" if h.get("heading") else ""))
+        where = " ".join(where.split()).replace('"', "'")
         parts.append(f'<source id="{n}" file="{quote(where)}">\n{quote(h["text"])}\n</source>')
     return "\n\n".join(parts)
 

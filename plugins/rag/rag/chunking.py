@@ -70,13 +70,27 @@ class Chunk:
 Span = tuple[int, int]
 
 
-def chunk(text: str, kind: str, *, size: int = 1000, overlap: int = 150) -> list[Chunk]:
-    """``text`` (of the given extract kind) as chunks of at most ``size`` characters of their own."""
+class TooManyChunks(ValueError):
+    """The text cuts into more chunks than the caller allows (``limit``)."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"{count} chunks is over the limit of {limit}")
+        self.count = count
+        self.limit = limit
+
+
+def chunk(text: str, kind: str, *, size: int = 1000, overlap: int = 150,
+          max_chunks: int | None = None) -> list[Chunk]:
+    """``text`` (of the given extract kind) as chunks of at most ``size`` characters of their own;
+    :class:`TooManyChunks` when there would be more than ``max_chunks`` (checked before any
+    chunk's text is copied out)."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}")
     if size < 1 or not 0 <= overlap < size:
         raise ValueError("size must be positive and overlap in [0, size)")
     pieces = _code_pieces(text, size) if kind == "code" else _prose_pieces(text, kind, size, overlap)
+    if max_chunks is not None and len(pieces) > max_chunks:
+        raise TooManyChunks(len(pieces), max_chunks)
     return [Chunk(text=text[lo:hi], heading=heading, index=i, start=start)
             for i, (heading, lo, start, hi) in enumerate(pieces)]
 

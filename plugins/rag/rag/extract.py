@@ -7,14 +7,22 @@
   separated by a blank line, so the chunker sees sections and paragraphs for every kind.
 - Every refusal is a ``LocalmError`` naming only the file's base name, never a path.
   (A document's text is put in front of a model only through ``sdk.defang``.)
+- What a file may unpack to is bounded before it is unpacked (413 ``document_too_large``,
+  naming the limit): a DOCX's zip directory is checked (parts, sizes, packing ratio) and every
+  part inflated once in bounded steps, so a directory that lies is caught before python-docx
+  reads it; an HTML file's size before it is parsed; a PDF's page count, with pypdf's own
+  stream limits; and the text any file gives. docs/rag.md lists the numbers.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import re
+import struct
 import zipfile
+import zlib
 from typing import Any, Callable
 
 import attrs
@@ -45,6 +53,28 @@ _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 _LETTER = re.compile(r"[^\W\d_]")
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
          (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+MB = 1024 * 1024
+#: The longest text one file may give, in characters: as much as the largest text file indexed
+#: (30 MB) can hold, so only a format that unpacks (DOCX, PDF) can reach it.
+MAX_TEXT_CHARS = 32 * MB
+#: A DOCX (a zip): at most this many parts, unpacking to at most this much in all; one XML part
+#: at most MAX_XML_BYTES; a part over RATIO_FROM bytes may unpack to at most MAX_RATIO times its
+#: packed size (real XML packs 5 to 20 times; a zip bomb a thousand).
+MAX_ZIP_MEMBERS = 1000
+MAX_ZIP_TOTAL = 256 * MB
+MAX_XML_BYTES = 32 * MB
+MAX_RATIO = 100
+RATIO_FROM = 1 * MB
+#: An HTML file is parsed (a tree in memory, several times its size) only up to this size.
+MAX_HTML_BYTES = 16 * MB
+#: A PDF's pages.
+MAX_PDF_PAGES = 10_000
+#: pypdf's own ceilings on what one stream may decompress to (its defaults are 75 MB and more).
+PDF_STREAM_BYTES = 64 * MB
+_INFLATE_STEP = 1 * MB
+#: The most one zip directory entry may take (its fixed 46 bytes, a name, extra fields, a comment).
+_MAX_ENTRY_BYTES = 1024
+
 _HTML_START = re.compile(rb"\s*(?:<!--.*?-->\s*)*<(?:!doctype\s+html|html)[\s>]", re.IGNORECASE | re.DOTALL)
 _HEADING_LINE = re.compile(r"^#{1,6}[ \t]+\S", re.MULTILINE)
 
@@ -65,15 +95,21 @@ def kind_of(filename: str) -> str | None:
     return SUPPORTED.get(name[dot:].lower()) if dot > 0 else None
 
 
-def extract(filename: str, data: bytes, *, max_bytes: int | None = None) -> Extracted:
+def extract(filename: str, data: bytes, *, max_bytes: int | None = None,
+            max_chars: int = MAX_TEXT_CHARS) -> Extracted:
     """The text of ``data`` (the file called ``filename``); refuses with 413 over ``max_bytes``
-    and 422 for a file that is binary, corrupt, encrypted or holds no text."""
+    (``file_too_large``) or over a limit on what it unpacks to (``document_too_large``: the
+    module's MAX_* limits, and ``max_chars`` of text), and 422 for a file that is binary,
+    corrupt, encrypted or holds no text."""
     name = _base(filename)
     if max_bytes is not None and len(data) > max_bytes:
         raise sdk.LocalmError(413, f"{name}: {len(data)} bytes is over the limit of {max_bytes}",
                               code="file_too_large")
     kind = kind_of(name) or _sniff(name, data)
-    text, sections = _READERS[kind](name, data)
+    text, sections = _READERS[kind](name, data, max_chars)
+    if len(text) > max_chars:
+        raise too_large(name, f"its text is {len(text):,} characters", max_chars, "characters of text",
+                        "text_chars")
     text = _tidy(text, keep_indent=kind == "code")
     if not text.strip():
         raise _refuse(name, "no text found in the file")
@@ -91,11 +127,18 @@ def _refuse(name: str, why: str) -> sdk.LocalmError:
     return sdk.LocalmError(422, f"{name}: {why}", code="extract_failed")
 
 
+def too_large(name: str, what: str, limit: int, unit: str, key: str) -> sdk.LocalmError:
+    """The 413 for a document over one of the limits: ``what`` it is, and the limit by name."""
+    return sdk.LocalmError(413, f"{name}: {what}, over the limit of {limit:,} {unit}", code="document_too_large",
+                           limit=key, maximum=limit)
+
+
 def _sniff(name: str, data: bytes) -> str:
     """The kind of a file whose extension says nothing, from its first bytes."""
     if data.startswith(b"%PDF-"):
         return "pdf"
     if data.startswith(b"PK\x03\x04"):
+        _directory_guard(name, data)
         try:
             with zipfile.ZipFile(io.BytesIO(data)) as archive:
                 if "word/document.xml" in archive.namelist():
@@ -161,7 +204,7 @@ def _tidy(text: str, *, keep_indent: bool) -> str:
     return text.strip("\n").rstrip() if keep_indent else text.strip()
 
 
-def _read_text(name: str, data: bytes) -> tuple[str, int]:
+def _read_text(name: str, data: bytes, max_chars: int) -> tuple[str, int]:
     return _decode(name, data), 0
 
 
@@ -173,11 +216,15 @@ _BLOCKS = frozenset({"p", "div", "li", "ul", "ol", "dl", "dt", "dd", "blockquote
                      "body", "html"})
 
 
-def _read_html(name: str, data: bytes) -> tuple[str, int]:
-    """HTML as markdown-ish paragraphs; walked with a stack, so deep nesting cannot overflow."""
+def _read_html(name: str, data: bytes, max_chars: int) -> tuple[str, int]:
+    """HTML as markdown-ish paragraphs; walked with a stack, so deep nesting cannot overflow.
+    Parsed only up to MAX_HTML_BYTES (the tree takes several times the file's size)."""
     from bs4 import BeautifulSoup, NavigableString, Tag
     from bs4.element import PageElement, PreformattedString
 
+    if len(data) > MAX_HTML_BYTES:
+        raise too_large(name, f"an HTML file of {len(data):,} bytes", MAX_HTML_BYTES, "bytes for HTML",
+                        "html_bytes")
     if data.find(b"\x00") >= 0 and not data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         raise _refuse(name, "unsupported binary file")
     soup = BeautifulSoup(data, "html.parser")
@@ -229,23 +276,17 @@ def _read_html(name: str, data: bytes) -> tuple[str, int]:
     return "\n\n".join(blocks), 0
 
 
-def _read_pdf(name: str, data: bytes) -> tuple[str, int]:
-    """Each page's text, pages apart by a blank line; an encrypted PDF must open with no password."""
-    from pypdf import PdfReader
-    from pypdf.errors import DependencyError
-
+def _read_pdf(name: str, data: bytes, max_chars: int) -> tuple[str, int]:
+    """Each page's text, pages apart by a blank line; an encrypted PDF must open with no password.
+    At most MAX_PDF_PAGES pages and ``max_chars`` of text, every stream under PDF_STREAM_BYTES."""
     try:
-        reader = PdfReader(io.BytesIO(data))
-        if reader.is_encrypted:
-            try:
-                opened = reader.decrypt("")
-            except DependencyError:
-                raise _refuse(name, "the PDF is AES-encrypted; reading it needs the cryptography package") from None
-            if not opened:
-                raise _refuse(name, "the PDF is encrypted with a password")
-        pages = [(page.extract_text() or "").strip() for page in reader.pages]
+        with _pdf_limits():
+            pages = _pdf_pages(name, data, max_chars)
     except sdk.LocalmError:
         raise
+    except _PDF_LIMITS as exc:
+        raise too_large(name, f"a PDF stream unpacks past the limit ({exc})", PDF_STREAM_BYTES,
+                        "bytes for one PDF stream", "pdf_stream_bytes") from None
     except Exception:
         raise _refuse(name, "not a readable PDF file") from None
     pages = [page for page in pages if page]
@@ -254,32 +295,189 @@ def _read_pdf(name: str, data: bytes) -> tuple[str, int]:
     return "\n\n".join(pages), len(pages)
 
 
+def _pdf_pages(name: str, data: bytes, max_chars: int) -> list[str]:
+    from pypdf import PdfReader
+    from pypdf.errors import DependencyError
+
+    reader = PdfReader(io.BytesIO(data))
+    if reader.is_encrypted:
+        try:
+            opened = reader.decrypt("")
+        except DependencyError:
+            raise _refuse(name, "the PDF is AES-encrypted; reading it needs the cryptography package") from None
+        if not opened:
+            raise _refuse(name, "the PDF is encrypted with a password")
+    count = len(reader.pages)
+    if count > MAX_PDF_PAGES:
+        raise too_large(name, f"a PDF of {count:,} pages", MAX_PDF_PAGES, "pages", "pdf_pages")
+    pages: list[str] = []
+    chars = 0
+    for page in reader.pages:
+        pages.append((page.extract_text() or "").strip())
+        chars += len(pages[-1]) + 2
+        if chars > max_chars:
+            raise too_large(name, f"its text is over {max_chars:,} characters", max_chars, "characters of text",
+                            "text_chars")
+    return pages
+
+
 _HEADING_STYLE = re.compile(r"heading ([1-9])", re.IGNORECASE)
 
 
-def _read_docx(name: str, data: bytes) -> tuple[str, int]:
-    """Paragraphs and tables in body order; Title and Heading N styles become ``#`` headings."""
+def _read_docx(name: str, data: bytes, max_chars: int) -> tuple[str, int]:
+    """Paragraphs and tables in body order; Title and Heading N styles become ``#`` headings.
+    The zip is checked first (:func:`_check_zip`), so python-docx never unpacks a bomb."""
     import docx
     from docx.table import Table
 
+    _check_zip(name, data)
     try:
         document = docx.Document(io.BytesIO(data))
+        style_name = _docx_styles(document)
         blocks: list[str] = []
+        chars = 0
         for item in document.iter_inner_content():
             if isinstance(item, Table):
                 rows = [_docx_row(row) for row in item.rows]
                 if rows := [row for row in rows if row.strip(" |")]:
                     blocks.append("\n".join(rows))
-                continue
-            line = " ".join(item.text.split())
-            if not line:
-                continue
-            style = item.style.name if item.style is not None else ""
-            level = 1 if style == "Title" else int(m.group(1)) if (m := _HEADING_STYLE.fullmatch(style)) else 0
-            blocks.append("#" * min(level, 6) + " " + line if level else line)
+                    chars += len(blocks[-1]) + 2
+            else:
+                line = " ".join(item.text.split())
+                if not line:
+                    continue
+                style = style_name(item)
+                level = 1 if style == "Title" else int(m.group(1)) if (m := _HEADING_STYLE.fullmatch(style)) else 0
+                blocks.append("#" * min(level, 6) + " " + line if level else line)
+                chars += len(blocks[-1]) + 2
+            if chars > max_chars:
+                raise too_large(name, f"its text is over {max_chars:,} characters", max_chars,
+                                "characters of text", "text_chars")
+    except sdk.LocalmError:
+        raise
     except Exception:
         raise _refuse(name, "not a readable DOCX file") from None
     return "\n\n".join(blocks), 0
+
+
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
+
+
+_END = struct.Struct("<4s4H2LH")
+_END64_LOCATOR = struct.Struct("<4sLQL")
+_END64 = struct.Struct("<4sQ2H2L4Q")
+
+
+def _directory_guard(name: str, data: bytes) -> None:
+    """Refuse a zip whose directory alone is too large to read (more parts than MAX_ZIP_MEMBERS,
+    or more bytes than so many entries take), from its end record, before zipfile reads it."""
+    tail_start = max(0, len(data) - (_END.size + 0xFFFF))
+    at = data.rfind(b"PK\x05\x06", tail_start)
+    if at < 0 or at + _END.size > len(data):
+        raise _refuse(name, "not a readable file (a damaged zip)")
+    _, _, _, _, count, size, _, _ = _END.unpack_from(data, at)
+    if (count == 0xFFFF or size == 0xFFFFFFFF) and at >= _END64_LOCATOR.size:
+        sig, _, offset, _ = _END64_LOCATOR.unpack_from(data, at - _END64_LOCATOR.size)
+        if sig == b"PK\x06\x07" and offset + _END64.size <= len(data):
+            sig, *fields = _END64.unpack_from(data, offset)
+            if sig == b"PK\x06\x06":
+                count, size = fields[6], fields[7]
+    if count > MAX_ZIP_MEMBERS or size > MAX_ZIP_MEMBERS * _MAX_ENTRY_BYTES:
+        raise too_large(name, f"a zip of {count:,} parts in a directory of {size:,} bytes", MAX_ZIP_MEMBERS,
+                        "parts", "zip_members")
+
+
+def _check_zip(name: str, data: bytes) -> None:
+    """Refuse a zip that would unpack to too much, from its directory first (how many parts,
+    how large each and all of them say they are, how tightly each is packed), then by inflating
+    every part once, in bounded steps, to make sure it is what the directory says (size and
+    CRC): a part that unpacks past its declared size is refused as soon as it does. What
+    python-docx then reads is bounded by the same directory (zipfile never reads past it)."""
+    _directory_guard(name, data)
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        infos = archive.infolist()
+    except Exception:
+        raise _refuse(name, "not a readable DOCX file (a damaged zip)") from None
+    if len(infos) > MAX_ZIP_MEMBERS:
+        raise too_large(name, f"a zip of {len(infos):,} parts", MAX_ZIP_MEMBERS, "parts", "zip_members")
+    total = 0
+    for info in infos:
+        size = info.file_size
+        if info.filename.lower().endswith((".xml", ".rels")) and size > MAX_XML_BYTES:
+            raise too_large(name, f"{info.filename} unpacks to {size:,} bytes", MAX_XML_BYTES,
+                            "bytes for one XML part", "xml_part_bytes")
+        if size > RATIO_FROM and size > MAX_RATIO * max(1, info.compress_size):
+            raise too_large(name, f"{info.filename} unpacks {size // max(1, info.compress_size):,} times its "
+                                  f"packed size", MAX_RATIO, "times (the packing ratio of a part)", "zip_ratio")
+        total += size
+        if total > MAX_ZIP_TOTAL:
+            raise too_large(name, f"its parts unpack to more than {MAX_ZIP_TOTAL:,} bytes", MAX_ZIP_TOTAL,
+                            "bytes unpacked", "zip_unpacked_bytes")
+    for info in infos:
+        _inflate_bounded(name, data, info)
+
+
+def _inflate_bounded(name: str, data: bytes, info: zipfile.ZipInfo) -> None:
+    """Inflate one part of the zip in ``data`` to nowhere, never past the size its directory
+    entry declares: 413 if it would go past, 422 if it does not match the entry."""
+    if info.flag_bits & 0x1:
+        raise _refuse(name, "the DOCX is encrypted")
+    start = info.header_offset
+    try:
+        sig, *_, name_len, extra_len = _LOCAL_HEADER.unpack_from(data, start)
+    except struct.error:
+        raise _refuse(name, "not a readable DOCX file (a damaged zip)") from None
+    if sig != b"PK\x03\x04":
+        raise _refuse(name, "not a readable DOCX file (a damaged zip)")
+    begin = start + _LOCAL_HEADER.size + name_len + extra_len
+    raw = memoryview(data)[begin:begin + info.compress_size]
+    declared = info.file_size
+    if info.compress_type == zipfile.ZIP_STORED:
+        produced, crc = len(raw), zlib.crc32(raw)
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        produced, crc, pos = 0, 0, 0
+        while not inflater.eof:
+            if inflater.unconsumed_tail:
+                piece: bytes | memoryview = inflater.unconsumed_tail
+            else:
+                piece = raw[pos:pos + _INFLATE_STEP]
+                pos += len(piece)
+            try:
+                out = inflater.decompress(piece, _INFLATE_STEP)
+            except zlib.error:
+                raise _refuse(name, f"{info.filename} is damaged") from None
+            if not out and not piece:
+                break
+            produced += len(out)
+            if produced > declared:
+                raise too_large(name, f"{info.filename} unpacks to more than the {declared:,} bytes its zip "
+                                      "directory declares", declared, "bytes declared for it", "zip_declared_size")
+            crc = zlib.crc32(out, crc)
+    else:
+        raise _refuse(name, f"{info.filename} is packed with a method a DOCX does not use")
+    if produced != declared or crc != info.CRC:
+        raise _refuse(name, f"{info.filename} does not match its zip directory entry (size or checksum)")
+
+
+def _docx_styles(document: Any) -> Callable[[Any], str]:
+    """A paragraph's style name, from a table of the document's paragraph styles read once
+    (python-docx's ``paragraph.style`` searches every style for each paragraph: most of the
+    time a large document took)."""
+    from docx.enum.style import WD_STYLE_TYPE
+
+    names: dict[str, str] = {}
+    for style in document.styles:
+        if style.type == WD_STYLE_TYPE.PARAGRAPH and style.style_id:
+            names[style.style_id] = style.name or ""
+    default = document.styles.default(WD_STYLE_TYPE.PARAGRAPH)
+    fallback = (default.name or "") if default is not None else ""
+
+    def name_of(paragraph: Any) -> str:
+        style_id = paragraph._p.style
+        return names.get(style_id, fallback) if style_id else fallback
+    return name_of
 
 
 def _docx_row(row: Any) -> str:
@@ -293,7 +491,44 @@ def _docx_row(row: Any) -> str:
     return " | ".join(cells)
 
 
-_READERS: dict[str, Callable[[str, bytes], tuple[str, int]]] = {
+def _pdf_limits() -> Any:
+    """A context in which pypdf decompresses no stream past PDF_STREAM_BYTES: pypdf 7's
+    Configuration, applied to this context only; an older pypdf's module-wide ceilings,
+    lowered (never raised)."""
+    import dataclasses
+
+    import pypdf
+
+    apply = getattr(pypdf, "apply_configuration", None)
+    if apply is not None:
+        current = pypdf.get_configuration()
+        fields = ("maximum_declared_stream_length", "array_based_stream_maximum_output_length",
+                  "jbig2_maximum_output_length", "lzw_maximum_output_length", "run_length_maximum_output_length",
+                  "zlib_maximum_output_length", "brotli_maximum_output_length", "image_maximum_buffer_size",
+                  "stream_decoding_work_maximum_length")
+        known = {f.name for f in dataclasses.fields(current)}
+        return apply(**{f: min(getattr(current, f), PDF_STREAM_BYTES) for f in fields if f in known})
+    from pypdf import filters
+
+    for key in ("ZLIB_MAX_OUTPUT_LENGTH", "LZW_MAX_OUTPUT_LENGTH", "RUN_LENGTH_MAX_OUTPUT_LENGTH",
+                "MAX_ARRAY_BASED_STREAM_OUTPUT_LENGTH", "MAX_DECLARED_STREAM_LENGTH", "JBIG2_MAX_OUTPUT_LENGTH"):
+        value = getattr(filters, key, None)
+        if isinstance(value, int) and value > PDF_STREAM_BYTES:
+            setattr(filters, key, PDF_STREAM_BYTES)
+    return contextlib.nullcontext()
+
+
+def _pdf_limit_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from pypdf.errors import LimitReachedError
+    except ImportError:
+        return ()
+    return (LimitReachedError,)
+
+
+_PDF_LIMITS = _pdf_limit_errors()
+
+_READERS: dict[str, Callable[[str, bytes, int], tuple[str, int]]] = {
     "text": _read_text, "markdown": _read_text, "code": _read_text,
     "html": _read_html, "pdf": _read_pdf, "docx": _read_docx,
 }

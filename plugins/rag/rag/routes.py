@@ -6,12 +6,20 @@ import asyncio
 import base64
 import binascii
 import json
+import math
 from typing import Any
 
 from localm import sdk
 
 from . import current, extract, policy, schema
-from .service import INTERNAL, MAX_FILE_BYTES, MAX_PATHS, MAX_UPLOAD_BYTES, DEFAULT_EMBEDDER, Source, plain_paths
+from .service import (DEFAULT_EMBEDDER, INTERNAL, MAX_FILE_BYTES, MAX_PATHS, MAX_QUERY_CHARS, MAX_UPLOAD_BYTES,
+                      Source, plain_paths)
+
+#: A body over this size is parsed off the event loop (a 100 MB upload takes a while).
+_PARSE_INLINE = 256 * 1024
+#: The longest file name an upload may give.
+MAX_FILENAME_CHARS = 255
+
 
 async def _body(request: sdk.Request, limit: int | None = None) -> dict[str, Any]:
     raw = await request.body()
@@ -20,7 +28,7 @@ async def _body(request: sdk.Request, limit: int | None = None) -> dict[str, Any
     if not raw.strip():
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw) if len(raw) <= _PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
     except ValueError as exc:
         raise sdk.LocalmError(400, "The body is not valid JSON") from exc
     if not isinstance(body, dict):
@@ -59,6 +67,9 @@ def _decode(item: Any, index: int) -> tuple[str, bytes]:
         raise sdk.LocalmError(400, f"files[{index}] must be {{\"filename\": str, \"content_b64\": str}}",
                               code="invalid_parameter")
     name = item["filename"].replace("\\", "/").rsplit("/", 1)[-1].strip()
+    if not name or len(name) > MAX_FILENAME_CHARS or any(ord(c) < 32 or c == "\x7f" for c in name):
+        raise sdk.LocalmError(400, f"files[{index}].filename must be a file name of 1 to {MAX_FILENAME_CHARS} "
+                                   "printable characters", code="invalid_parameter")
     encoded = item["content_b64"]
     if len(encoded) * 3 // 4 > MAX_FILE_BYTES + 2:
         raise sdk.LocalmError(413, f"{name} is over 30 MB", code="file_too_large")
@@ -94,11 +105,13 @@ async def get_collection(request: sdk.Request, name: str) -> dict[str, Any]:
     k = current()
     col = await asyncio.to_thread(k.open, name, sdk.caller(request))
 
+    caller = sdk.caller(request)
+
     def detail() -> dict[str, Any]:
-        out = k.stats(col, k.find_model(k.embedder_name()))
+        out = k.stats(col, k.find_model(k.embedder_name()), caller)
         out["docs"] = [{"path": d["path"], "kind": d["kind"], "filename": d["filename"], "format": d["format"],
                         "size": d["size"], "mtime": d["mtime"], "sha256": d["sha256"], "chunks": d["n_chunks"],
-                        "indexed": d["indexed"], "missing": d["missing"]} for d in col.docs()]
+                        "indexed": d["indexed"], "missing": d["missing"]} for d in col.docs(k.present(caller))]
         return out
     return await asyncio.to_thread(detail)
 
@@ -130,17 +143,23 @@ async def add(request: sdk.Request, name: str) -> dict[str, Any]:
         raise sdk.LocalmError(400, f"At most {MAX_PATHS} paths per add ({len(paths)} given)", code="too_many_paths")
     embed, reindex = _flag(body, "embed", True), _flag(body, "reindex", False)
     consent = _flag(body, "consent", False)
-    resolved = plain_paths(paths)
-    for given, path in zip(paths, resolved):
-        if not path.exists():
-            raise sdk.LocalmError(400, f"No such file or folder: {given}", code="path_not_found")
     caller = sdk.caller(request)
-    policy.check_paths(resolved, caller, k.settings, data_dir=sdk.host_of(request).data_dir, consent=bool(consent))
-    await asyncio.to_thread(k.open, name, caller)
-    sources, skipped = await asyncio.to_thread(k.expand, resolved)
+
+    def check() -> tuple[list[Any], Any]:
+        # the rules first, on resolved paths: whether a path the caller may not add exists is not told
+        resolved = plain_paths(paths)
+        policy.check_paths(resolved, caller, k.settings, data_dir=sdk.host_of(request).data_dir,
+                           consent=bool(consent))
+        for path in resolved:
+            if not path.exists():
+                raise sdk.LocalmError(400, f"No such file or folder: {path.name or path}", code="path_not_found")
+        k.open(name, caller)
+        return resolved, k.rules(caller)
+    resolved, rules = await asyncio.to_thread(check)
+    sources, skipped = await asyncio.to_thread(k.expand, resolved, rules)
 
     async def run(ctx: sdk.JobContext) -> dict[str, Any]:
-        return await k.index(ctx, col, sources, embed=bool(embed), reindex=bool(reindex),
+        return await k.index(ctx, col, sources, rules=rules, embed=bool(embed), reindex=bool(reindex),
                              roots=[str(p) for p in resolved], skipped=skipped)
     return _job(request, run, kind="rag.add", title=f"Index {len(sources)} file(s) into {name}")
 
@@ -161,13 +180,15 @@ async def upload(request: sdk.Request, name: str) -> dict[str, Any]:
         raise sdk.LocalmError(400, f"At most {MAX_PATHS} files per upload ({len(files)} given)",
                               code="too_many_files")
     embed, reindex = _flag(body, "embed", True), _flag(body, "reindex", False)
-    sources = []
-    for i, item in enumerate(files):
-        filename, data = _decode(item, i)
-        sources.append(Source(f"upload:{filename}", "upload", None, filename, data))
+
+    def decode() -> list[Source]:
+        return [Source(f"upload:{filename}", "upload", None, filename, data)
+                for filename, data in (_decode(item, i) for i, item in enumerate(files))]
+    sources = await asyncio.to_thread(decode)
+    rules = k.rules(sdk.caller(request))
 
     async def run(ctx: sdk.JobContext) -> dict[str, Any]:
-        return await k.index(ctx, col, sources, embed=bool(embed), reindex=bool(reindex), roots=[])
+        return await k.index(ctx, col, sources, rules=rules, embed=bool(embed), reindex=bool(reindex), roots=[])
     return _job(request, run, kind="rag.upload", title=f"Index {len(sources)} uploaded file(s) into {name}")
 
 
@@ -181,8 +202,11 @@ async def query(request: sdk.Request, name: str) -> dict[str, Any]:
     text = body.get("query")
     if not isinstance(text, str) or not text.strip():
         raise sdk.LocalmError(400, "query must be a non-empty string", code="empty_query")
+    if len(text) > MAX_QUERY_CHARS:
+        raise sdk.LocalmError(400, f"query is at most {MAX_QUERY_CHARS} characters ({len(text)} given)",
+                              code="query_too_long")
     size = body.get("k", 4)
-    if isinstance(size, bool) or not isinstance(size, (int, float)):
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size):
         raise sdk.LocalmError(400, "k must be a number", code="invalid_parameter")
     rerank = body.get("rerank")
     if rerank is not None and not isinstance(rerank, bool):
@@ -222,14 +246,15 @@ async def repair(request: sdk.Request, name: str) -> dict[str, Any]:
     caller = sdk.caller(request)
     col = await asyncio.to_thread(k.open, name, caller)
     embed, confirm = _flag(body, "embed", True), _flag(body, "confirm", False)
-    docs = await asyncio.to_thread(col.docs)
+    rules = k.rules(caller)
+    docs = await asyncio.to_thread(col.docs, rules.present)
     if not docs:
         raise sdk.LocalmError(400, f"Collection {name} has no documents to repair", code="nothing_to_repair")
     files = [d for d in docs if d["kind"] == "file"]
     if not files:
         raise sdk.LocalmError(400, f"Every document in {name} was uploaded; uploads cannot be rebuilt (their bytes "
                                    "are not kept)", code="nothing_to_repair")
-    stats = await asyncio.to_thread(col.stats)
+    stats = await asyncio.to_thread(col.stats, rules.present)
     if not embed and stats["has_vectors"] and not confirm:
         return {"needs_confirm": True, "collection": name, "n_chunks": stats["n_chunks"],
                 "detail": "Repairing without embeddings removes the collection's vectors: it will be searched "
@@ -247,7 +272,7 @@ async def repair(request: sdk.Request, name: str) -> dict[str, Any]:
             swept = await asyncio.to_thread(col.sweep)
         except Exception as exc:  # a vector store that cannot be read is what repair works around
             ctx.log(f"vectors not swept: {exc}")
-        result = await k.index(ctx, col, sources, embed=bool(embed), reindex=True, roots=[])
+        result = await k.index(ctx, col, sources, rules=rules, embed=bool(embed), reindex=True, roots=[])
         return {**result, **report, "orphan_vectors_removed": swept}
     return _job(request, run, kind="rag.repair", title=f"Repair {name}")
 
@@ -280,7 +305,8 @@ async def remove_doc(request: sdk.Request, name: str) -> dict[str, Any]:
                   413: "A file over 30 MB (file_too_large)"})
 async def extract_text(request: sdk.Request) -> dict[str, Any]:
     body = await _body(request)
-    filename, data = _decode({"filename": body.get("filename"), "content_b64": body.get("content_b64")}, 0)
+    filename, data = await asyncio.to_thread(
+        _decode, {"filename": body.get("filename"), "content_b64": body.get("content_b64")}, 0)
     limit = body.get("max_chars")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
         raise sdk.LocalmError(400, "max_chars must be an integer", code="invalid_parameter")

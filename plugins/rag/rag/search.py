@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 import attrs
+from localm.sdk import defang
 
 RRF_K = 60
 #: Chat-like questions with nothing to do with any document: how close they come to a
@@ -164,7 +165,8 @@ def hit(candidate: Candidate, row: Any, doc: dict[str, Any] | None, text: str, c
     """A search hit as the query route and the chat sources show it."""
     return {"id": row.id, "collection": collection, "path": row.path,
             "filename": doc["filename"] if doc else row.path.rsplit("/", 1)[-1],
-            "format": doc["format"] if doc else None, "chunk": row.seq, "heading": row.heading, "text": text,
+            "format": doc["format"] if doc else None, "chunk": row.seq,
+            "heading": defang(row.heading) if row.heading else row.heading, "text": text,
             "score": round(candidate.score, 6),
             "vector_score": None if candidate.vector is None else round(candidate.vector, 6),
             "lexical_score": None if candidate.lexical is None else round(candidate.lexical, 6),

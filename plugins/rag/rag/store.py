@@ -29,7 +29,7 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +162,22 @@ class Vectors:
         return self._error
 
     def collection(self, name: str, *, create: bool = False) -> Any:
+        """The chroma collection ``name``; VectorsUnavailable when it is not there (the store
+        lost it, or a Chroma server was changed or emptied) or cannot be read."""
         with self._lock:
             client = self.client()
             if create:
                 return client.get_or_create_collection(name, embedding_function=None,
                                                        metadata={"hnsw:space": "cosine"})
-            return client.get_collection(name, embedding_function=None)
+            try:
+                return client.get_collection(name, embedding_function=None)
+            except Exception as exc:
+                if type(exc).__name__ in ("NotFoundError", "InvalidCollectionException") \
+                        or "does not exist" in str(exc):
+                    raise VectorsMissing(f"the vector store has no collection {name}: run reembed to rebuild "
+                                         "its vectors") from None
+                raise VectorsUnavailable(f"the vector collection {name} cannot be read: "
+                                         f"{type(exc).__name__}: {exc}") from None
 
     def upsert(self, name: str, ids: Sequence[str], vectors: Sequence[Sequence[float]], paths: Sequence[str]) -> None:
         if not ids:
@@ -185,9 +195,7 @@ class Vectors:
         with self._lock:
             try:
                 col = self.collection(name)
-            except VectorsUnavailable:
-                raise
-            except Exception:  # no such chroma collection: nothing to delete
+            except VectorsMissing:  # no such chroma collection: nothing to delete
                 return
             for start in range(0, len(ids), 4096):
                 col.delete(ids=list(ids[start:start + 4096]))
@@ -196,11 +204,15 @@ class Vectors:
         """(chunk id, cosine similarity), best first."""
         with self._lock:
             col = self.collection(name)
-            count = col.count()
-            if not count:
-                return []
-            out = col.query(query_embeddings=[list(map(float, vector))], n_results=min(n, count),
-                            include=["distances"])
+            try:
+                count = col.count()
+                if not count:
+                    return []
+                out = col.query(query_embeddings=[list(map(float, vector))], n_results=min(n, count),
+                                include=["distances"])
+            except Exception as exc:  # a server that stopped answering, a store that cannot be read
+                raise VectorsUnavailable(f"the vector collection {name} cannot be searched: "
+                                         f"{type(exc).__name__}: {exc}") from None
         ids, distances = out["ids"][0], out["distances"][0]
         return [(i, 1.0 - float(d)) for i, d in zip(ids, distances)]
 
@@ -208,9 +220,7 @@ class Vectors:
         with self._lock:
             try:
                 col = self.collection(name)
-            except VectorsUnavailable:
-                raise
-            except Exception:
+            except VectorsMissing:
                 return set()
             return set(col.get(include=[])["ids"])
 
@@ -230,6 +240,10 @@ class Vectors:
 
 class VectorsUnavailable(Exception):
     """chromadb is missing or its store cannot be opened (the reason)."""
+
+
+class VectorsMissing(VectorsUnavailable):
+    """The store answers, but has no collection by that name."""
 
 
 class Collection:
@@ -348,11 +362,18 @@ class Collection:
         return len(orphans)
 
     # --- reading -----------------------------------------------------------------------
-    def docs(self) -> list[dict[str, Any]]:
+    def docs(self, present: Callable[[str, str | None], bool] | None = None) -> list[dict[str, Any]]:
+        """Every document; ``missing`` when a file is gone, or (by ``present(path, root)``, the
+        caller's rules) no longer a file they may read."""
         with self.connect() as conn:
             rows = [dict(r) for r in conn.execute("SELECT * FROM docs ORDER BY path")]
         for row in rows:
-            row["missing"] = row["kind"] == "file" and not os.path.isfile(row["path"])
+            if row["kind"] != "file":
+                row["missing"] = False
+            elif present is not None:
+                row["missing"] = not present(row["path"], row["root"])
+            else:
+                row["missing"] = not os.path.isfile(row["path"])
         return rows
 
     def sources(self) -> list[dict[str, Any]]:
@@ -414,14 +435,14 @@ class Collection:
                                "(SELECT count(DISTINCT root) FROM docs WHERE kind = 'file') AS roots").fetchone()
         return dict(one)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, present: Callable[[str, str | None], bool] | None = None) -> dict[str, Any]:
         """The spec's collection stats (name, created, n_docs, n_missing, n_roots, n_chunks,
         has_vectors, corrupt, chunks_bad_lines, vector_degrade_reason, vector_dim)."""
         out: dict[str, Any] = {"name": self.name}
         try:
             info = self.info()
             counts = self.counts()
-            docs = self.docs()
+            docs = self.docs(present)
         except sqlite3.DatabaseError as exc:
             return {**out, "created": None, "n_docs": 0, "n_missing": 0, "n_roots": 0, "n_chunks": 0,
                     "has_vectors": False, "corrupt": True, "chunks_bad_lines": 0,
