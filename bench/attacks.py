@@ -6,7 +6,8 @@ what it cost the server (CPU seconds, resident memory) before it was refused or 
 
 One server runs in open mode on a throwaway data dir with the plugins the attacks go
 through (chat, llamacpp, transformers, rag, memory, voice, ollama, anthropic, responses),
-the default chat model, the PyPI embedder and Whisper model. Each attack prints one line:
+the default chat model, the PyPI embedder and Whisper model (both models loaded before
+anything is measured). Each attack prints one line:
 its HTTP status, the wall time, the server's CPU seconds and the growth of its resident
 memory during the attack (the peak, sampled every 20 ms), and a verdict:
 
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import wave
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -128,8 +130,11 @@ class Run:
         with self.meter() as m:
             job = self.collection(key, "mine", folder, embed=False)
             found = key.post("/api/rag/collections/mine/query", json={"query": token, "mode": "lexical"})
-        leaked = token in found.text or token[:12] in json.dumps(job)
-        self.report("rag-link-to-server.json", 0, found.status_code, m, leaked=leaked)
+        hits = found.json().get("hits", []) if found.status_code == 200 else []
+        leaked = token in json.dumps(hits) or bool(job.get("result", {}).get("added"))
+        self.owner.delete(f"/v1/keys/{r.json()['id']}")  # back to open mode for the attacks after this one
+        skipped = len((job.get("result") or {}).get("skipped") or [])
+        self.report("rag-link-to-server.json", 0, f"{found.status_code}:{skipped}s", m, leaked=leaked)
 
     def web_page(self) -> None:
         """A page of another origin asks for the owner's collection, then for what memory knows."""
@@ -301,8 +306,16 @@ def main() -> int:
                 if pulled.returncode != 0:
                     print(f"cannot pull {source}: {pulled.stderr.strip()}", file=sys.stderr)
             run = Run(server, work)
+            # the models loaded before anything is measured: the chat model and Whisper
             run.http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
-                {"role": "user", "content": "Hi"}]})  # the model loaded before anything is measured
+                {"role": "user", "content": "Hi"}]})
+            second = io.BytesIO()
+            with wave.open(second, "wb") as w:
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(16000)
+                w.writeframes(b"\0\0" * 16000)
+            run.http.post("/v1/audio/transcriptions", files={"file": ("second.wav", second.getvalue())})
             print(f"localm on {server.url}, pid {server.proc.pid if server.proc else '?'}, {os.cpu_count()} CPUs")
             print(f"{'attack':<24} {'input':>12}  {'status':>6}  {'wall':>9}  {'server CPU':>13}  {'RSS':>9}  verdict")
             for name in args.only or ATTACKS:

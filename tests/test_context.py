@@ -2,9 +2,11 @@
 n_ctx to the model's trained context, Ollama's num_ctx, compaction past the ceiling on every
 surface, the clear refusal of what cannot fit, background tasks capped and queued after
 interactive requests, keep_alive, and the config resets. A real server runs SmolLM2 (trained
-for 8,192 tokens) on llama.cpp, opened at the default n_ctx of 4,096, with default settings;
-the clients are the official openai, ollama and anthropic SDKs (and httpx for the headers of
-streams)."""
+for 8,192 tokens) on llama.cpp, opened at the default n_ctx of 4,096, with default settings
+but one: the long conversation below arrives whole in one request and needs two passes of
+summarising, so the chat plugin's compaction_max_tokens is raised past its default of about
+one pass; the clients are the official openai, ollama and anthropic SDKs (and httpx for the
+headers of streams)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,10 @@ PLUGINS = ["chat", "llamacpp", "ollama", "anthropic"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalmServer]:
-    s = LocalmServer(tmp_path_factory.mktemp("context") / "data", plugins=PLUGINS).start()
+    data = tmp_path_factory.mktemp("context") / "data"
+    data.mkdir()
+    (data / "config.json").write_text(json.dumps({"plugins": {"chat": {"compaction_max_tokens": 32768}}}))
+    s = LocalmServer(data, plugins=PLUGINS).start()
     yield s
     s.stop()
 

@@ -69,7 +69,7 @@ def _text(message: dict[str, Any]) -> str:
 
 
 #: Defaults of the chat plugin's compaction_max_tokens and compaction_timeout settings.
-MAX_TOKENS = 16_384
+MAX_TOKENS = 8192
 TIMEOUT = 600.0
 
 
