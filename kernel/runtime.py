@@ -17,7 +17,7 @@ from typing import Any, Callable
 from litestar import Router
 
 from . import __version__
-from .app import KernelASGI, build_litestar, route_pairs
+from .app import KernelASGI, build_litestar, host_name, route_pairs
 from .auth import KeyStore
 from .config import Config
 from .datadir import server_file
@@ -79,7 +79,7 @@ class Kernel:
         """Names the Host header may carry besides addresses and localhost: the bind address,
         this machine's name and the allowed_hosts setting."""
         value = self.config.get("allowed_hosts")
-        extra = [str(v).strip().lower().rstrip(".") for v in value if str(v).strip()] if isinstance(value, list) else []
+        extra = [host_name(str(v)) for v in value if str(v).strip()] if isinstance(value, list) else []
         return self._own_names.union(extra)
 
     def check_attach_token(self, value: str) -> bool:
