@@ -4,6 +4,7 @@ visible as a catalog (LOCALM_PLUGIN_STORE)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -30,6 +31,26 @@ def sse_events(server: Any, path: str, body: dict[str, Any]) -> Iterator[dict[st
                 return
             if line.startswith("data: "):
                 yield json.loads(line[6:])
+
+
+def wait_job(client: httpx.Client, job_id: str, timeout: float = 300) -> dict[str, Any]:
+    """A job's record once it has ended (done, failed or cancelled)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/api/jobs/{job_id}").json()
+        if job["status"] in ("done", "failed", "cancelled"):
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not finish")
+
+
+def add(client: httpx.Client, name: str, *paths: Path | str, **body: Any) -> dict[str, Any]:
+    """Index ``paths`` into the RAG collection ``name`` and wait: the job's result."""
+    r = client.post(f"/api/rag/collections/{name}/add", json={"paths": [str(p) for p in paths], **body})
+    assert r.status_code == 200, r.text
+    job = wait_job(client, r.json()["job_id"])
+    assert job["status"] == "done", job
+    return job["result"]
 
 
 def refused_by_guard(response: Any) -> bool:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import add, wait_job  # noqa: E402
 from rag_files import write_samples  # noqa: E402
 
 from localm.sdk.testing import LocalmServer  # noqa: E402
@@ -40,24 +41,6 @@ PARAPHRASES = {
 }
 IDENTIFIERS = {"ERR-5102": "guide.md", "KX-12": "notes.txt", "HIVE-B7": "memo.docx", "CsvSummary": "tool.py"}
 UNRELATED = "Which team won the basketball championship in 1998?"
-
-
-def wait_job(client: httpx.Client, job_id: str, timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.get(f"/api/jobs/{job_id}").json()
-        if job["status"] in ("done", "failed", "cancelled"):
-            return job
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} did not finish")
-
-
-def add(client: httpx.Client, name: str, *paths: Path | str, **body: Any) -> dict[str, Any]:
-    r = client.post(f"/api/rag/collections/{name}/add", json={"paths": [str(p) for p in paths], **body})
-    assert r.status_code == 200, r.text
-    job = wait_job(client, r.json()["job_id"])
-    assert job["status"] == "done", job
-    return job["result"]
 
 
 def files_of(hits: list[dict[str, Any]]) -> list[str]:

@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import TEST_STORE
+from conftest import TEST_STORE, add
 
 from localm.sdk.testing import LocalmServer
 
@@ -61,13 +61,7 @@ def srv(module_server: Any, private: Path) -> LocalmServer:
     server = module_server(plugins=PLUGINS, prepare=prepare)
     owner = server.owner()
     assert owner.post("/api/rag/collections", json={"name": "private"}).status_code == 200
-    r = owner.post("/api/rag/collections/private/add", json={"paths": [str(private / "vault.txt")], "embed": False})
-    assert r.status_code == 200, r.text
-    deadline = time.monotonic() + 120
-    while (job := owner.get(f"/api/jobs/{r.json()['job_id']}").json())["status"] not in ("done", "failed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    assert job["status"] == "done" and job["result"]["added"], job
+    assert add(owner, "private", private / "vault.txt", embed=False)["added"]
     assert owner.put("/api/memory", json={"text": f"The user's vault code is {SECRET}."}).status_code == 200
     return server
 

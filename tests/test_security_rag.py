@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import add, wait_job  # noqa: E402
 from rag_files import write_samples  # noqa: E402
 
 from localm.sdk import LocalmError  # noqa: E402
@@ -49,24 +50,6 @@ def _load(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def wait_job(client: httpx.Client, job_id: str, timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.get(f"/api/jobs/{job_id}").json()
-        if job["status"] in ("done", "failed", "cancelled"):
-            return job
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} did not finish")
-
-
-def add(client: httpx.Client, name: str, *paths: Path | str, **body: Any) -> dict[str, Any]:
-    r = client.post(f"/api/rag/collections/{name}/add", json={"paths": [str(p) for p in paths], **body})
-    assert r.status_code == 200, r.text
-    job = wait_job(client, r.json()["job_id"])
-    assert job["status"] == "done", job
-    return job["result"]
 
 
 def lexical(client: httpx.Client, name: str, text: str) -> list[dict[str, Any]]:
