@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import time
 import typing
@@ -23,33 +22,15 @@ SAVE_TIMEOUT = 30.0
 
 # --- waiting for a job while the client stays -------------------------------------------------
 
-async def _client_gone(request: sdk.Request) -> None:
-    """Returns when the client disconnects (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message.get("type") == "http.disconnect":
-            return
-
-
-async def _until_end(job: Any) -> None:
-    async for _ in job.follow():
-        pass
-
-
 async def _wait(request: sdk.Request, job: Any) -> None:
-    """Wait for ``job``; a client that leaves cancels it (ComfyUI is interrupted)."""
-    ended = asyncio.ensure_future(_until_end(job))
-    gone = asyncio.ensure_future(_client_gone(request))
+    """Wait for ``job``. A client that leaves cancels this handler (the kernel does, on an
+    inference route), and the job with it: ComfyUI is interrupted."""
     try:
-        await asyncio.wait({ended, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not ended.done():
-            sdk.host_of(request).jobs.cancel(job)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(ended), 30)
-    finally:
-        gone.cancel()
-        if not ended.done():
-            ended.cancel()
+        async for _ in job.follow():
+            pass
+    except asyncio.CancelledError:
+        sdk.host_of(request).jobs.cancel(job)
+        raise
 
 
 def _outcome(job: Any, spec: generate.Spec) -> dict[str, Any]:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
 import attrs
 from localm import sdk
 
@@ -61,29 +58,6 @@ def read_options(fields: dict[str, list[str]]) -> tuple[str, set[str], Options, 
     return fmt, wanted, options, one(fields, "model") or None
 
 
-async def disconnected(request: sdk.Request) -> None:
-    """Return once the client has gone away (the body must have been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_gone(request: sdk.Request, work: Any) -> Any:
-    """Await ``work`` unless the client leaves first: then it is cancelled (out of the queue
-    if it was waiting) and the request ends without an answer."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        raise sdk.LocalmError(499, "The client went away; the transcription was cancelled", code="cancelled")
-    return task.result()
-
-
 @sdk.post("/v1/audio/transcriptions", scope="voice", access="inference", error_family="openai",
           request_max_body_size=2 * MAX_BODY, summary="OpenAI transcriptions: speech to text with Whisper")
 async def transcriptions(request: sdk.Request) -> sdk.Response:
@@ -96,7 +70,9 @@ async def transcriptions(request: sdk.Request) -> sdk.Response:
         raise bad("file is required: the audio, as a multipart file field", "file")
     entry = await voice.resolve(model)
     options = attrs.evolve(options, language=voice.check_language(entry, one(form.fields, "language")))
-    entry, transcript = await unless_gone(request, voice.transcribe(form.file, options, entry=entry))
+    # a client that leaves cancels this handler (the kernel does, on an inference route): the
+    # transcription leaves the engine's queue, or stops at its next segment
+    entry, transcript = await voice.transcribe(form.file, options, entry=entry)
     headers = {"X-Localm-Transcription-Model": entry.id}
     if fmt == "json":
         return sdk.Response({"text": transcript.text, "usage": formats.usage(transcript)}, headers=headers)
