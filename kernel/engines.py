@@ -299,6 +299,9 @@ class Finished:
     #: that ended the generation, an end-of-generation token, or the one that reached
     #: max_tokens), so it has no row. None without reads, or after an error.
     activations: dict[tuple[int, str], Any] | None = None
+    #: How many of the prompt's tokens a cache held, so the engine did not compute them (a
+    #: follow-up turn's conversation so far; OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
+    cached_tokens: int = 0
 
 
 Event = Queued | Started | Token | Status | Finished

@@ -28,6 +28,7 @@ import attrs
 
 from localm import sdk
 from localm.sdk import engines as spec
+from localm.sdk.storage import atomic_write_bytes
 
 log = logging.getLogger("localm.plugin.llamacpp")
 
@@ -49,6 +50,14 @@ class Settings:
                                                      "replies decodes about a fifth faster on CPU. Off: every reply "
                                                      "computes the same numbers alone or beside others, whatever "
                                                      "its length (takes effect when a model loads)")
+    cache_ram_mb: int = sdk.setting(-1, min=-1, description="Host memory for conversations whose slot another "
+                                                           "request took, in MiB: their KV state is kept here and "
+                                                           "restored instead of read again (-1: a quarter of the "
+                                                           "memory free when the model loads, at most 8192; 0: off)")
+    cache_persist: bool = sdk.setting(False, description="Write the prompt cache to the data dir when a model "
+                                                         "unloads or the server stops, and read it back when the "
+                                                         "model loads: a front end's tool definitions and system "
+                                                         "prompt are warm after a restart")
 
 
 def _meta_int(meta: dict[str, Any], key: str) -> int | None:
@@ -218,7 +227,8 @@ class _Ggml:
 class _Sequence:
     """A request's state in the decode loop."""
 
-    __slots__ = ("masker", "steer", "slot", "feed", "sampler", "decoder", "prompting", "n", "started", "first")
+    __slots__ = ("masker", "steer", "slot", "feed", "sampler", "decoder", "prompting", "n", "started", "first",
+                 "cached")
 
     def __init__(self, masker: spec.TokenMasker | None, steer: _Steer | None = None) -> None:
         self.masker = masker
@@ -231,28 +241,128 @@ class _Sequence:
         self.n = 0
         self.started: float | None = None
         self.first: float | None = None
+        self.cached = 0  # prompt tokens a cache held (a slot's or one restored from host memory)
 
 
-#: A cached prefix this much longer than another slot's wins over keeping the busy slots in a row.
+#: A cached prefix this much longer than another slot's wins over keeping the busy slots in a row;
+#: a slot whose cache would lose more than this many tokens is taken only when every free one would.
 PREFIX_OVER_ROW = 256
 
 
-def _pick_slot(prefix: dict[int, int], busy: list[bool], used: list[int]) -> int:
+def _pick_slot(prefix: dict[int, int], busy: list[bool], used: list[float],
+               cached: dict[int, int] | None = None) -> int:
     """The free slot for a newcomer, from ``prefix`` (free slot -> tokens its cache shares with
-    the prompt), which slots are busy and when each was last used.
+    the prompt), which slots are busy, when each was last used and ``cached`` (free slot -> the
+    tokens its cache holds; None: all empty).
 
-    llama.cpp decodes the running sequences' next tokens in one pass only when their ids follow
-    each other (one KV stream a sequence): busy slots 0, 1 and 3 take two passes a step. So the
-    slot that keeps the busy slots in the fewest runs wins, unless another slot's cache shares
-    ``PREFIX_OVER_ROW`` more tokens with the prompt (a follow-up turn of a long conversation);
-    then the longest shared prefix, then the least recently used."""
+    Only the slots whose shared prefix is within ``PREFIX_OVER_ROW`` tokens of the longest are
+    candidates: a follow-up turn of a long conversation takes its own slot. Among them, taking a
+    slot costs what its cache loses (the tokens past the shared prefix): a slot that would lose
+    more than ``PREFIX_OVER_ROW`` is taken only when every candidate would, and then the one that
+    loses least, so a front end's short side request (a title, tags) never takes a long
+    conversation's slot while a cheaper one is free. Then the slot that keeps the busy slots in
+    the fewest runs (llama.cpp decodes the running sequences' next tokens in one pass only when
+    their ids follow each other: busy slots 0, 1 and 3 take two passes a step); then the fewest
+    tokens lost, the longest shared prefix, the least recently used."""
     def runs(slot: int) -> int:
         taken = [b or i == slot for i, b in enumerate(busy)]
         return sum(1 for i, b in enumerate(taken) if b and (i == 0 or not taken[i - 1]))
 
+    def lost(slot: int) -> int:
+        return max(0, (cached or {}).get(slot, 0) - prefix[slot])
+
     best = max(prefix.values())
     near = [slot for slot, n in prefix.items() if n >= best - PREFIX_OVER_ROW]
-    return min(near, key=lambda slot: (runs(slot), -prefix[slot], used[slot], slot))
+    return min(near, key=lambda slot: (max(0, lost(slot) - PREFIX_OVER_ROW), runs(slot), lost(slot), -prefix[slot],
+                                       used[slot], slot))
+
+
+#: A slot's cache is kept in host memory when a newcomer would drop at least this many of its tokens.
+SAVE_FROM = 256
+#: A state in host memory is restored when it holds at least this many more of the prompt's tokens than the slot.
+RESTORE_FROM = 64
+#: The first bytes of a persisted prompt-cache file.
+CACHE_MAGIC = b"LOCALMKV\x01"
+
+
+class _Saved:
+    """A sequence's KV state kept in host memory: the tokens it holds and llama.cpp's bytes."""
+
+    __slots__ = ("tokens", "data")
+
+    def __init__(self, tokens: tuple[int, ...], data: Any) -> None:
+        self.tokens = tokens
+        self.data = data
+
+
+class PromptCache:
+    """The KV state of sequences that lost their slot, within ``budget`` bytes, the least
+    recently used dropped first. A state covered by a longer one (its tokens are the longer
+    one's start) is not kept twice."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = max(0, budget)
+        self.entries: list[_Saved] = []  # least recently used first
+        self.size = 0
+
+    def best(self, prompt: Sequence[int]) -> tuple[_Saved | None, int]:
+        """The entry sharing the longest prefix with ``prompt``, and how many tokens it shares."""
+        found, most = None, 0
+        for entry in self.entries:
+            n = _shared_prefix(entry.tokens, prompt)
+            if n > most:
+                found, most = entry, n
+        return found, most
+
+    def covers(self, tokens: Sequence[int]) -> bool:
+        return any(len(e.tokens) >= len(tokens) and _shared_prefix(e.tokens, tokens) == len(tokens)
+                   for e in self.entries)
+
+    def touch(self, entry: _Saved) -> None:
+        if entry in self.entries:
+            self.entries.remove(entry)
+            self.entries.append(entry)
+
+    def add(self, tokens: Sequence[int], data: Any) -> bool:
+        """Keep ``data`` (the state of a sequence holding ``tokens``); False when it cannot fit."""
+        size = len(data)
+        if not tokens or size > self.budget:
+            return False
+        tokens = tuple(tokens)
+        for entry in [e for e in self.entries if _shared_prefix(e.tokens, tokens) == len(e.tokens)]:
+            self.drop(entry)  # a shorter state this one extends
+        while self.entries and self.size + size > self.budget:
+            self.drop(self.entries[0])
+        self.entries.append(_Saved(tokens, data))
+        self.size += size
+        return True
+
+    def drop(self, entry: _Saved) -> None:
+        if entry in self.entries:
+            self.entries.remove(entry)
+            self.size -= len(entry.data)
+
+
+def _cache_budget(setting: int) -> int:
+    """The prompt cache's bytes: the setting in MiB, or for -1 a quarter of the memory free now
+    (at most 8 GiB)."""
+    if setting >= 0:
+        return setting * 2**20
+    available = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    if not available:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            available = 4 * 2**30
+    return min(available // 4, 8 * 2**30)
 
 
 class LlamaEngine:
@@ -367,6 +477,13 @@ class LlamaEngine:
             self._slot_tokens: list[list[int]] = [[] for _ in range(self._slots)]
             self._slot_key: list[tuple] = [() for _ in range(self._slots)]  # the deltas each cache holds
             self._slot_user: list[spec.Job | None] = [None] * self._slots
+            self._slot_background = [False] * self._slots  # the cache a front end's side request wrote
+            #: conversations whose slot another request took (see PromptCache)
+            self._cache = PromptCache(_cache_budget(int(settings.get("cache_ram_mb", -1))))
+            self._cache_dir = settings.get("cache_dir") if settings.get("cache_persist") else None
+            self._identity = self._cache_identity(path, settings.get("sha256"))
+            if self._cache_dir and self._cache.budget:
+                self._load_cache()
             self._slot_used = [0.0] * self._slots
             self._waiting: deque[spec.Job] = deque()
             self._running: list[spec.Job] = []
@@ -530,6 +647,136 @@ class LlamaEngine:
         import llama_cpp
         llama_cpp.llama_memory_seq_rm(self._memory(), slot, keep, -1)
         del self._slot_tokens[slot][keep:]
+
+    def _keep(self, slot: int, keep: int) -> None:
+        """Before slot ``slot``'s cache is cut to ``keep`` tokens: when that drops at least
+        ``SAVE_FROM`` tokens of an interactive request's unsteered cache, keep its state in host
+        memory, so the conversation it holds is restored instead of read again."""
+        tokens = self._slot_tokens[slot]
+        if (len(tokens) - keep < SAVE_FROM or self._slot_key[slot] or self._slot_background[slot]
+                or not self._cache.budget or self._cache.covers(tokens)):
+            return
+        data = self._state_of(slot)
+        if data is not None:
+            self._cache.add(tokens, data)
+
+    def _state_of(self, slot: int) -> Any:
+        """llama.cpp's bytes for slot ``slot``'s sequence (None when it cannot give them)."""
+        import llama_cpp
+        ctx = self.llm._ctx.ctx
+        size = llama_cpp.llama_state_seq_get_size(ctx, slot)
+        if size <= 0:
+            return None
+        buffer = (ctypes.c_uint8 * size)()
+        return buffer if llama_cpp.llama_state_seq_get_data(ctx, buffer, size, slot) == size else None
+
+    def _restore(self, slot: int, entry: _Saved) -> bool:
+        """Put ``entry``'s state into slot ``slot`` (emptied first); False, with the entry
+        dropped, when llama.cpp refuses it."""
+        import llama_cpp
+        self._forget(slot)
+        if llama_cpp.llama_state_seq_set_data(self.llm._ctx.ctx, entry.data, len(entry.data), slot) == 0:
+            log.warning("a prompt-cache entry of %d tokens could not be restored; dropped", len(entry.tokens))
+            llama_cpp.llama_memory_seq_rm(self._memory(), slot, 0, -1)
+            self._cache.drop(entry)
+            return False
+        self._slot_tokens[slot] = list(entry.tokens)
+        self._slot_key[slot] = ()
+        self._cache.touch(entry)
+        return True
+
+    # --- the persisted prompt cache --------------------------------------------------------
+    def _cache_identity(self, path: str, sha256: str | None) -> dict[str, Any]:
+        """What a persisted state must have been written for: this model file, this llama.cpp
+        and this KV layout."""
+        import llama_cpp
+        stat = os.stat(path)
+        meta = self.llm.metadata
+        return {"file": os.path.basename(path), "size": stat.st_size,
+                "sha256": sha256 or f"mtime:{stat.st_mtime_ns}", "arch": meta.get("general.architecture", ""),
+                "layers": self.capabilities.layers, "hidden": self.capabilities.hidden_size,
+                "vocab": self._n_vocab, "flash_attn": self._flash,
+                "llama_cpp": getattr(llama_cpp, "__version__", "")}
+
+    def _load_cache(self) -> None:
+        """Read the persisted states, newest first, within the cache's budget. A file that is
+        damaged or was written for another model is skipped with a warning."""
+        import hashlib
+        import json
+        folder = self._cache_dir
+        try:
+            names = sorted((e for e in os.scandir(folder) if e.name.endswith(".kv") and e.is_file()),
+                           key=lambda e: e.stat().st_mtime, reverse=True)
+        except OSError:
+            return
+        loaded: list[tuple[tuple[int, ...], Any]] = []
+        room = self._cache.budget
+        for found in names:
+            try:
+                with open(found.path, "rb") as fh:
+                    if fh.read(len(CACHE_MAGIC)) != CACHE_MAGIC:
+                        raise ValueError("it is not a prompt-cache file")
+                    length = struct.unpack("<I", fh.read(4))[0]
+                    if length > 64 * 2**20:
+                        raise ValueError("its header is too long")
+                    header = json.loads(fh.read(length))
+                    if header.get("identity") != self._identity:
+                        log.warning("prompt cache %s was written for another model or llama.cpp build; ignored",
+                                    found.name)
+                        continue
+                    size = int(header["size"])
+                    tokens = tuple(int(t) for t in header["tokens"])
+                    if size > room:
+                        continue
+                    data = bytearray(size)
+                    if fh.readinto(data) != size or fh.read(1):
+                        raise ValueError("its length is wrong")
+                    if hashlib.sha256(data).hexdigest() != header["sha256"]:
+                        raise ValueError("its checksum is wrong")
+            except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+                log.warning("prompt cache %s is damaged (%s); ignored", found.name, exc)
+                continue
+            room -= size
+            loaded.append((tokens, (ctypes.c_uint8 * size).from_buffer(data)))
+        for tokens, data in reversed(loaded):  # the newest is the most recently used
+            self._cache.add(tokens, data)
+        if loaded:
+            log.info("prompt cache: %d states read from %s", len(loaded), folder)
+
+    def _save_cache(self) -> None:
+        """Write the host cache and the slots' unsteered caches to the data dir, newest first,
+        within the budget; files of states no longer kept are removed."""
+        import hashlib
+        import json
+        for slot in range(self._slots):
+            if self._slot_user[slot] is None:
+                self._keep(slot, 0)
+        written: set[str] = set()
+        room = self._cache.budget
+        for entry in reversed(self._cache.entries):
+            size = len(entry.data)
+            if size > room:
+                continue
+            room -= size
+            view = memoryview(entry.data).cast("B")
+            header = json.dumps({"identity": self._identity, "tokens": list(entry.tokens), "size": size,
+                                 "sha256": hashlib.sha256(view).hexdigest()}).encode()
+            name = hashlib.sha256(json.dumps(entry.tokens).encode()).hexdigest()[:24] + ".kv"
+            blob = bytearray(CACHE_MAGIC)
+            blob += struct.pack("<I", len(header)) + header
+            blob += view
+            try:
+                atomic_write_bytes(os.path.join(self._cache_dir, name), bytes(blob))
+            except OSError as exc:
+                log.warning("could not write the prompt cache to %s: %s", self._cache_dir, exc)
+                return
+            written.add(name)
+        try:
+            for found in os.scandir(self._cache_dir):
+                if found.name.endswith(".kv") and found.name not in written:
+                    os.unlink(found.path)
+        except OSError:
+            pass
 
     def _new_context(self, per_slot: int, probe: bool = False) -> Any:
         """A context of ``per_slot`` tokens for each slot: one KV stream a sequence, so a
@@ -734,11 +981,23 @@ class LlamaEngine:
             reuse = request.cache_prompt and not (steer is not None and steer.reads)  # a read needs every row
             prefix = {candidate: _shared_prefix(self._slot_tokens[candidate], prompt)
                       if reuse and self._slot_key[candidate] == key else 0 for candidate in free}
-            slot = _pick_slot(prefix, [user is not None for user in self._slot_user], self._slot_used)
-            shared = min(prefix[slot], len(prompt) - 1)  # the last prompt token is decoded again for its logits
+            slot = _pick_slot(prefix, [user is not None for user in self._slot_user], self._slot_used,
+                              {candidate: len(self._slot_tokens[candidate]) for candidate in free})
+            shared = prefix[slot]
+            entry, kept = self._cache.best(prompt) if reuse and not key and self._cache.entries else (None, 0)
+            if entry is not None and kept >= shared + RESTORE_FROM and len(entry.tokens) < self._n_ctx_slot:
+                self._keep(slot, 0)
+                if self._restore(slot, entry):
+                    shared = kept
+                else:
+                    shared = 0
+            else:
+                self._keep(slot, shared)
+            shared = min(shared, len(prompt) - 1)  # the last prompt token is decoded again for its logits
             self._forget(slot, max(shared, 0))
             self._slot_key[slot] = key
             seq: _Sequence = job.state
+            seq.cached = max(shared, 0)
             seq.slot = slot
             seq.feed = list(prompt[len(self._slot_tokens[slot]):])
             seq.started = time.perf_counter()
@@ -876,6 +1135,7 @@ class LlamaEngine:
             if seq.slot is not None and self._slot_user[seq.slot] is job:
                 self._slot_user[seq.slot] = None
                 self._slot_used[seq.slot] = time.monotonic()
+                self._slot_background[seq.slot] = job.request.background
             if job in self._running:
                 self._running.remove(job)
             if seq.sampler is not None:
@@ -886,7 +1146,7 @@ class LlamaEngine:
         activations = seq.steer.activations() if seq is not None and seq.steer is not None else None
         job.emit(spec.Finished(reason=reason, prompt_tokens=len(job.request.prompt), completion_tokens=n,
                                prompt_seconds=max(0.0, first - started), generate_seconds=ended - first, error=error,
-                               activations=activations))
+                               activations=activations, cached_tokens=seq.cached if seq is not None else 0))
 
     def _abort(self) -> None:
         """After a failed step: every slot empty and free, nothing waiting."""
@@ -895,6 +1155,7 @@ class LlamaEngine:
         for tokens in self._slot_tokens:
             tokens.clear()
         self._slot_key = [() for _ in range(self._slots)]
+        self._slot_background = [False] * self._slots
         for job in list(self._running) + list(self._waiting):
             if job.state is not None and job.state.sampler is not None:
                 job.state.sampler.close()
@@ -972,7 +1233,9 @@ class LlamaEngine:
         after scoring must compute what a fresh one does."""
         if len(ids) > self._n_ctx_slot:
             self._resize(self._window_for(spec.GenerateRequest(prompt=tuple(ids))) or len(ids))
-        slot = min(range(self._slots), key=lambda i: self._slot_used[i])
+        # the slot whose cache loses least (a conversation's is kept in host memory first)
+        slot = min(range(self._slots), key=lambda i: (len(self._slot_tokens[i]), self._slot_used[i]))
+        self._keep(slot, 0)
         self._set_cvec(None)  # scoring is never steered (the next steered request sets its vector again)
         try:
             row = self._decode_alone(slot, ids)
@@ -1083,6 +1346,11 @@ class LlamaEngine:
     def close(self) -> None:
         import llama_cpp
         self._queue.close()
+        if self._batch is not None and self._cache_dir and self._cache.budget:
+            try:
+                self._save_cache()
+            except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is only lost
+                log.warning("could not save the prompt cache: %s", exc)
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
@@ -1100,6 +1368,10 @@ def register_settings(register):
 @sdk.hookimpl
 def register_engines(register, plugin):
     def load(entry: Any, options: dict[str, Any]) -> LlamaEngine:
-        return LlamaEngine(entry.path, {**plugin.settings, **options}, getattr(entry, "role", "chat"))
+        settings = {**plugin.settings, **options, "sha256": getattr(entry, "sha256", None)}
+        if settings.get("cache_persist"):
+            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in entry.id).lstrip(".") or "model"
+            settings["cache_dir"] = str(plugin.data_dir / "prompt-cache" / name)
+        return LlamaEngine(entry.path, settings, getattr(entry, "role", "chat"))
 
     register("llamacpp", load)

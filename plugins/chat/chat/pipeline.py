@@ -64,6 +64,8 @@ class Outcome:
     stop_sequence: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: prompt tokens a cache held (the engine did not compute them)
+    cached_tokens: int = 0
     ttft_ms: float | None = None
     tokens_per_sec: float | None = None
     context_capacity: int = 0
@@ -314,6 +316,7 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                     break
             elif isinstance(event, spec.Finished):
                 outcome.activations = event.activations
+                outcome.cached_tokens = event.cached_tokens
                 outcome.context_capacity = engine.capabilities.context_window
                 if plan.chat is not None:  # an engine that answers messages counts (or not) itself
                     outcome.prompt_tokens, outcome.completion_tokens = event.prompt_tokens, event.completion_tokens
@@ -337,7 +340,8 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
 
 def usage(outcome: Outcome, *, timings: bool = True, capacity: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-                           "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+                           "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+                           "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
     if timings:
         out["ttft_ms"] = outcome.ttft_ms
         out["tokens_per_sec"] = outcome.tokens_per_sec

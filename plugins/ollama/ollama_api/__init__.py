@@ -196,11 +196,14 @@ async def _load_form(host: Any, entry: Any, name: str, keep: float | None, strea
 
 def _stats(outcome: Any, received: float, load_s: float, ready: float, end: float) -> dict[str, int]:
     """Ollama's counts and durations (nanoseconds). The prompt's evaluation runs from the
-    model being ready to the first token; the reply's from there to the end."""
+    model being ready to the first token; the reply's from there to the end. As on Ollama,
+    ``prompt_eval_count`` counts the prompt tokens the model computed: those a cache held (a
+    follow-up turn's conversation so far) are not evaluated again."""
     first = received + outcome.ttft_ms / 1000 if outcome.ttft_ms is not None else end
     first = min(max(first, ready), end)
     return {"total_duration": _ns(end - received), "load_duration": _ns(load_s),
-            "prompt_eval_count": outcome.prompt_tokens, "prompt_eval_duration": _ns(first - ready),
+            "prompt_eval_count": max(outcome.prompt_tokens - getattr(outcome, "cached_tokens", 0), 0),
+            "prompt_eval_duration": _ns(first - ready),
             "eval_count": outcome.completion_tokens, "eval_duration": _ns(end - first)}
 
 

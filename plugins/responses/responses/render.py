@@ -38,7 +38,7 @@ def logprob(entry: dict[str, Any]) -> dict[str, Any]:
 
 def usage(outcome: Any) -> dict[str, Any]:
     return {"input_tokens": outcome.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": getattr(outcome, "cached_tokens", 0), "cache_write_tokens": 0},
             "output_tokens": outcome.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
