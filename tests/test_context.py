@@ -240,23 +240,105 @@ def test_keep_alive_sets_when_the_model_is_unloaded(server: LocalmServer, olla: 
 
 # --- background tasks ------------------------------------------------------------------
 
-TASK = ("### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history.\n"
-        "### Chat History:\n<chat_history>\nUSER: Write a very long story about the sea.\n</chat_history>")
+HISTORY = ("### Chat History:\n<chat_history>\nUSER: Write a very long story about the sea.\n"
+           "ASSISTANT: The sea was calm that morning.\n</chat_history>")
+#: Open WebUI's task prompts as it sends them: each template's task section (its opening words,
+#: older and newer wordings of the title), then the chat history it fills in.
+OPEN_WEBUI_TASKS = {
+    "title (older)": "### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history.\n"
+                     "### Guidelines:\n- Keep it clear and simple.\n### Output:\nJSON format: { \"title\": \"...\" }\n"
+                     + HISTORY,
+    "title": "### Task:\nGenerate a concise title summarizing the chat history.\n### Guidelines:\n"
+             "- Keep it short: 2-4 words is best.\n" + HISTORY,
+    "tags": "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the chat history, along with 1-3 "
+            "more specific subtopic tags.\n\n### Guidelines:\n- Start with high-level domains\n" + HISTORY,
+    "follow-ups": "### Task:\nSuggest 3-5 relevant follow-up questions or prompts that the user might naturally ask "
+                  "next in this conversation as a **user**, based on the chat history.\n### Guidelines:\n" + HISTORY,
+    "queries": "### Task:\nAnalyze the chat history to determine the necessity of generating search queries, in "
+               "the given language.\n\n### Guidelines:\n- Respond with a JSON object.\n" + HISTORY,
+    "image prompt": "### Task:\nGenerate a detailed prompt for am image generation task based on the given language "
+                    "and context.\n\n### Guidelines:\n- Be descriptive.\n" + HISTORY,
+    "autocomplete": "### Task:\nYou are an autocompletion system. Continue the text in `<text>` based on the "
+                    "**completion type** in `<type>` and the given language.\n\n### **Instructions**:\n"
+                    "1. Analyze `<text>`.\n---\n### Context:\n<chat_history>\n</chat_history>\n"
+                    "<type>General</type>\n<text>The sun was setting over the</text>\n#### Output:\n",
+    "emoji": "Your task is to reflect the speaker's likely facial expression through a fitting emoji. Interpret "
+             "emotions from the message.\n\nMessage: ```I won the race!```",
+}
+#: A question about a file in the chat, wrapped in Open WebUI's RAG template (its task section
+#: and headings, the retrieved context, then the question): a person waits on this one.
+RAG_QUESTION = ("### Task:\nRespond to the user query using the provided context, incorporating inline citations in "
+                "the format [id] **only when the <source> tag includes an explicit id attribute** (e.g., "
+                "<source id=\"1\">).\n\n### Guidelines:\n- If you don't know the answer, clearly state that.\n"
+                "\n### Output:\nProvide a clear and direct response to the user's query.\n\n<context>\n"
+                "<source id=\"1\" name=\"sea.txt\">The sea covers most of the Earth. Sailors crossed it for "
+                "centuries.</source>\n</context>\n\nWrite a very long story about the sea, in many chapters.")
+
+
+def test_open_webuis_task_prompts_are_background_and_its_rag_template_is_not() -> None:
+    from localm.plugins.chat.chat.request import background_task
+
+    def body(content: str) -> dict[str, Any]:
+        return {"messages": [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": content}]}
+
+    for name, prompt in OPEN_WEBUI_TASKS.items():
+        assert background_task(body(prompt)), name
+    assert not background_task(body(RAG_QUESTION))
+    assert not background_task(body("### Task:\nExplain what this heading means."))  # a heading is not a task
+    # a question that quotes a task prompt further down is still a question
+    assert not background_task(body("Why does my front end send this?\n\n" + OPEN_WEBUI_TASKS["title"]))
+    assert background_task({"metadata": {"task": "title_generation"}, "messages": [{"role": "user", "content": "x"}]})
 
 
 def test_a_background_task_is_capped(oai: Any, server: LocalmServer) -> None:
-    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": TASK}],
-                                    extra_body={"repeat_penalty": 1.0, "temperature": 0})
-    assert r.usage.completion_tokens <= 256
+    r = oai.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": OPEN_WEBUI_TASKS["title (older)"]}],
+        extra_body={"repeat_penalty": 1.0, "temperature": 0})
+    assert r.headers["x-localm-capped"] == "task_max_tokens=256"
+    assert r.parse().usage.completion_tokens <= 256
     # the cap is a setting of the chat plugin
     owner = server.owner()
     assert owner.post("/v1/plugins/chat/settings", json={"task_max_tokens": 5}).status_code == 200
     try:
-        r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
-                                        extra_body={"metadata": {"task": "title_generation"}})
-        assert r.usage.completion_tokens <= 5
+        r = oai.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}],
+            extra_body={"metadata": {"task": "title_generation"}})
+        assert r.headers["x-localm-capped"] == "task_max_tokens=5"
+        assert r.parse().usage.completion_tokens <= 5
+        for name, prompt in OPEN_WEBUI_TASKS.items():  # each of Open WebUI's tasks, as its Ollama connection sends it
+            got = httpx.post(server.url + "/api/chat", timeout=120, json={
+                "model": MODEL, "stream": name == "title", "messages": [{"role": "user", "content": prompt}]})
+            assert got.headers.get("x-localm-capped") == "task_max_tokens=5", name
+            last = json.loads(got.text.strip().splitlines()[-1])
+            assert last["eval_count"] <= 5, name
+        # a cap the client sets is its own: nothing is named
+        r = oai.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=3, messages=[{"role": "user", "content": OPEN_WEBUI_TASKS["tags"]}])
+        assert "x-localm-capped" not in r.headers and r.parse().usage.completion_tokens <= 3
     finally:
         owner.post("/v1/plugins/chat/settings", json={"task_max_tokens": None})
+
+
+def test_a_question_in_open_webuis_rag_template_gets_a_whole_reply(server: LocalmServer) -> None:
+    """The question is not a background task: the task cap (256) does not cut it. With a
+    default_max_tokens above it, the reply runs past 256 tokens and the header names that cap."""
+    owner = server.owner()
+    assert owner.post("/v1/plugins/chat/settings", json={"default_max_tokens": 300}).status_code == 200
+    try:
+        got = httpx.post(server.url + "/api/chat", timeout=300, json={
+            "model": MODEL, "stream": False, "options": {"temperature": 0, "repeat_penalty": 1.0},
+            "messages": [{"role": "user", "content": RAG_QUESTION}]})
+        assert got.status_code == 200, got.text
+        assert got.headers["x-localm-capped"] == "default_max_tokens=300"
+        reply = got.json()
+        assert reply["done_reason"] == "length" and reply["eval_count"] == 300, reply
+    finally:
+        owner.post("/v1/plugins/chat/settings", json={"default_max_tokens": None})
+    # the client's own cap: nothing is named
+    got = httpx.post(server.url + "/api/chat", timeout=300, json={
+        "model": MODEL, "stream": False, "options": {"num_predict": 2},
+        "messages": [{"role": "user", "content": RAG_QUESTION}]})
+    assert got.status_code == 200 and "x-localm-capped" not in got.headers
 
 
 def test_interactive_requests_go_before_waiting_background_ones() -> None:
@@ -345,7 +427,7 @@ def test_a_plugins_messages_engine_gets_num_ctx_and_background(tmp_path: Any) ->
     try:
         client = s.owner()
         r = client.post("/api/chat", json={"model": "window-echo", "stream": False, "options": {"num_ctx": 2048},
-                                           "messages": [{"role": "user", "content": "### Task:\nGenerate a title"}]})
+                                           "messages": [{"role": "user", "content": OPEN_WEBUI_TASKS["title"]}]})
         assert r.json()["message"]["content"] == "num_ctx=2048 background=True", r.text
         r = client.post("/v1/chat/completions", json={"model": "window-echo", "metadata": {"task": "tags_generation"},
                                                       "messages": [{"role": "user", "content": "hi"}]})

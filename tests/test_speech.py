@@ -101,7 +101,7 @@ def srv(module_server: Any) -> LocalmServer:
 
 @pytest.fixture(scope="module")
 def client(srv: LocalmServer) -> openai.OpenAI:
-    # /v1/audio/speech is not an inference route: in open mode it takes the attach token
+    # the attach token: it still answers once test_tts_config_routes has created keys
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.token, max_retries=0, timeout=120)
 
 
@@ -264,6 +264,45 @@ def test_a_streaming_client_that_leaves_cancels_the_speak_job(srv: LocalmServer)
         time.sleep(0.1)
     job = owner.get(f"/api/jobs/{job_id}").json()
     assert job["status"] == "cancelled" and job["progress"] < 1.0
+
+
+def test_a_non_streaming_client_that_leaves_cancels_the_speak_job(srv: LocalmServer) -> None:
+    owner = srv.owner()
+    spoken = lambda: {j["id"]: j for j in owner.get("/api/jobs").json()["jobs"] if j["kind"] == "speak"}  # noqa: E731
+    before = set(spoken())
+    text = " ".join(f"Sentence {n} is here to make the text long." for n in range(40))
+    body = json.dumps({"input": text, "voice": "default", "response_format": "pcm"}).encode()
+    deadline = time.monotonic() + 30
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        while not (started := [j for i, j in spoken().items() if i not in before and (j["progress"] or 0) > 0]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    [job] = started
+    while (job := owner.get(f"/api/jobs/{job['id']}").json())["status"] not in ("cancelled", "done", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert job["status"] == "cancelled" and job["progress"] < 1.0
+
+
+def test_speech_and_voices_answer_in_open_mode_like_transcription(srv: LocalmServer) -> None:
+    """Speaking is inference: with no key configured it needs none, as transcription does, and
+    a web page of another origin may call it (in open mode it reaches inference only). The
+    tts plugin's settings stay the owner's."""
+    anyone = httpx.Client(base_url=srv.url, timeout=120)
+    r = anyone.post("/v1/audio/speech", json={"input": "Hi.", "voice": "default", "response_format": "wav"})
+    assert r.status_code == 200 and read_wav(r.content)[1] == 1, r.text
+    assert [v["id"] for v in anyone.get("/v1/audio/voices").json()["data"]][0] == "default"
+    page = {"Origin": "http://evil.example"}
+    r = anyone.post("/v1/audio/speech", headers=page, json={"input": "Hi.", "response_format": "pcm"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://evil.example"
+    assert "access-control-allow-credentials" not in r.headers
+    for method, path in (("GET", "/v1/tts/config"), ("POST", "/v1/tts/config")):
+        r = anyone.request(method, path, json={} if method == "POST" else None)
+        assert r.status_code == 403 and "Open-mode management" in r.json()["detail"], (method, r.text)
+        r = anyone.request(method, path, headers=page, json={} if method == "POST" else None)
+        assert r.status_code == 403, (method, r.text)
 
 
 def test_voices_listed_and_a_voice_from_the_voices_folder(srv: LocalmServer, client: openai.OpenAI) -> None:
@@ -545,13 +584,15 @@ def test_tts_config_routes(srv: LocalmServer) -> None:
     status, message = status_of(lambda: speaking.audio.transcriptions.create(model="whisper-1",
                                                                              file=("a.wav", b"RIFF")))
     assert status == 403 and "voice" in message
-    # transcription is an inference route: any local app's page may call it; speech is not
+    # transcription and speech are inference routes: a page of any origin may call them with a key
     listener = srv.cli("key", "create", "--name", "listener", "--scope", "voice").stdout.strip()
     evil = {"Origin": "http://evil.example"}
     r = srv.client(listener).post("/v1/audio/transcriptions", headers=evil, files={"file": ("a.wav", b"RIFF")})
     assert r.status_code == 400 and r.headers["access-control-allow-origin"] == "http://evil.example"
     r = srv.client(speaker.stdout.strip()).post("/v1/audio/speech", headers=evil, json={"input": "Hi."})
-    assert r.status_code == 403 and r.json()["detail"].startswith("Cross-origin request refused")
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://evil.example"
+    assert srv.client(listener).post("/v1/audio/speech", json={"input": "Hi."}).status_code == 403  # no tts scope
+    assert httpx.get(f"{srv.url}/v1/audio/voices").status_code == 401  # a key is needed now
     done = srv.cli("plugin", "install-deps", "voice")
     assert done.returncode == 0 and "nothing was missing" in done.stdout, done.stdout + done.stderr
 

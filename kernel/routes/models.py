@@ -67,8 +67,13 @@ async def _params(request: Request, **query: str | None) -> dict[str, str | None
 
 
 def _summary(k: Any, entry: Any) -> dict[str, Any]:
+    """One model of the list. ``role`` says what it does (chat, embedding, reranker, stt, tts):
+    an OpenAI client finds its embedding models here. Open WebUI puts every model of this
+    list in its chat picker (it leaves out models by name only for api.openai.com) and reads
+    no field that would hide one, so a model that does not chat is left out of Ollama's
+    /api/tags instead, and a chat request to it is a 400 not_a_chat_model."""
     return {"id": entry.id, "object": "model", "created": int(entry.created), "owned_by": "localm",
-            "loaded": entry.id in k.models.resident, "active": k.models.active == entry.id}
+            "role": entry.role, "loaded": entry.id in k.models.resident, "active": k.models.active == entry.id}
 
 
 @get("/v1/models", scope="models:read", access="open_read", error_family="openai",

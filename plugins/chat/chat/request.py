@@ -126,14 +126,40 @@ def read_common(r: Reader) -> Common:
 
 #: The largest window a request may ask for with num_ctx (the engine opens at most its model's own).
 MAX_NUM_CTX = 1 << 24
-#: How Open WebUI's task prompts (titles, tags, follow-ups, queries, emoji, autocomplete) begin.
-TASK_PROMPT = "### Task:"
+#: Open WebUI's own background-task prompts (the DEFAULT_*_PROMPT_TEMPLATE of open_webui/config.py),
+#: each known by the words its task opens with, as older and newer releases word them. Its RAG
+#: template opens with "### Task:" too, but wraps a person's question: it is none of these.
+OPEN_WEBUI_TASKS = {
+    "title_generation": ("generate a concise, 3-5 word title", "generate a concise title summarizing the chat"),
+    "tags_generation": ("generate 1-3 broad tags categorizing the main themes of the chat history",),
+    "follow_up_generation": ("suggest 3-5 relevant follow-up questions or prompts that the user might naturally "
+                             "ask next",),
+    "query_generation": ("analyze the chat history to determine the necessity of generating search queries",),
+    "emoji_generation": ("your task is to reflect the speaker's likely facial expression through a fitting emoji",),
+    "autocomplete_generation": ("you are an autocompletion system.",),
+    "image_prompt_generation": ("generate a detailed prompt for am image generation task",
+                                "generate a detailed prompt for an image generation task"),
+}
+TASK_HEADING = "### task:"
+
+
+def open_webui_task(text: str) -> str | None:
+    """Which of Open WebUI's background tasks a prompt is (None: not one of them): its task
+    (what follows a leading "### Task:", or the prompt itself) opens with that task's words,
+    so a question that quotes a template further down stays a question."""
+    flat = " ".join(text.split()).lower()
+    if flat.startswith(TASK_HEADING):
+        flat = flat[len(TASK_HEADING):].lstrip()
+    for task, openings in OPEN_WEBUI_TASKS.items():
+        if flat.startswith(openings):
+            return task
+    return None
 
 
 def background_task(body: dict[str, Any]) -> bool:
     """A front end's background task rather than a person waiting on a reply: the request's
     ``metadata.task`` names one (Open WebUI's title_generation, tags_generation, ...), or its
-    last user message is one of Open WebUI's task prompts."""
+    last user message is one of Open WebUI's task prompts (see OPEN_WEBUI_TASKS)."""
     meta = body.get("metadata")
     if isinstance(meta, dict) and isinstance(meta.get("task"), str) and meta["task"]:
         return True
@@ -145,7 +171,7 @@ def background_task(body: dict[str, Any]) -> bool:
                 if isinstance(content, list):
                     content = next((p.get("text") for p in content if isinstance(p, dict)
                                     and isinstance(p.get("text"), str)), "")
-                return isinstance(content, str) and content.lstrip().startswith(TASK_PROMPT)
+                return isinstance(content, str) and open_webui_task(content) is not None
     return False
 
 

@@ -45,6 +45,13 @@ log = logging.getLogger("localm.plugin.chat")
 from .prompt import chat_tokens
 from .request import Common, Options, Reader, read_common, read_messages, read_options
 
+#: The response header that names a server-side reply cap applied to a request with none of its own.
+CAPPED = "X-Localm-Capped"
+#: What a registered model of each role other than chat is, and what serves it.
+_NOT_CHAT = {"embedding": ("an embedding model", "embeds text at /v1/embeddings"),
+             "reranker": ("a reranker", "scores documents at /v1/rerank"),
+             "stt": ("a speech-to-text model", "transcribes audio at /v1/audio/transcriptions"),
+             "tts": ("a text-to-speech voice", "speaks at /v1/audio/speech")}
 #: What each surface calls the reply cap its request's max_tokens came from (OpenAI: max_tokens).
 _CAP_NAMES = {"ollama": "options.num_predict", "responses": "max_output_tokens"}
 
@@ -322,15 +329,30 @@ class ChatService:
         return compaction.Budget(max_tokens=int(self._setting("compaction_max_tokens", compaction.MAX_TOKENS)),
                                  seconds=float(self._setting("compaction_timeout", compaction.TIMEOUT)))
 
-    def _capped(self, common: Common) -> Common:
+    def _capped(self, common: Common, headers: dict[str, str]) -> Common:
         """A request that sends no max_tokens gets the chat plugin's cap for its kind: a front
-        end's background task ``task_max_tokens``, any other ``default_max_tokens`` (0: none)."""
+        end's background task ``task_max_tokens``, any other ``default_max_tokens`` (0: none).
+        A cap applied is named in ``X-Localm-Capped`` (``task_max_tokens=256``), so a reply it
+        ends (finish reason ``length``) is not taken for the model's or the client's doing."""
         if common.sampling.max_tokens is not None:
             return common
-        cap = self._setting("task_max_tokens" if common.background else "default_max_tokens", 0) or None
+        setting = "task_max_tokens" if common.background else "default_max_tokens"
+        cap = self._setting(setting, 0) or None
         if cap is None:
             return common
+        headers[CAPPED] = f"{setting}={cap}"
         return attrs.evolve(common, sampling=attrs.evolve(common.sampling, max_tokens=cap))
+
+    @staticmethod
+    def check_chat_model(entry: Any) -> None:
+        """A 400 ``not_a_chat_model`` for a registered model that does not chat (an embedding
+        model, a reranker, a speech model), naming what it is and the route that serves it; a
+        surface calls it before loading the model for a chat."""
+        found = _NOT_CHAT.get(entry.role)
+        if found is not None:
+            what, does = found
+            raise sdk.LocalmError(400, f"model {entry.id} is {what}: it {does} and does not chat",
+                                  code="not_a_chat_model")
 
     @staticmethod
     def usage(outcome: pipeline.Outcome, *, timings: bool = True, capacity: bool = True) -> dict[str, Any]:
@@ -611,10 +633,9 @@ class ChatService:
                        fit: Any = None) -> Generation:
         host = self.host
         asked = common.sampling.max_tokens  # the client's own cap, checked against the window
-        common = self._capped(common)
+        common = self._capped(common, headers)
         entry = host.models.resolve(common.model)
-        if entry.role == "reranker":  # refused before it loads (and unloads another reranker)
-            raise sdk.LocalmError(400, f"{entry.id} is a reranker: use /v1/rerank", code="not_a_chat_model")
+        self.check_chat_model(entry)  # refused before it loads (and unloads another model)
         hold = await host.models.hold(entry.id)
         with _released_on_error(hold) as resident:
             engine = resident.engine

@@ -231,6 +231,7 @@ async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, An
                   name: str, keep: float | None, stream: bool, ignored: list[str], extra: dict[str, Any],
                   received: float) -> Any:
     chat = host.service("chat")
+    chat.check_chat_model(entry)  # an embedding model is refused, not loaded
     load_s = await _ensure_loaded(host, entry)
     ready = time.perf_counter()
     body["stream"] = stream
@@ -445,7 +446,7 @@ async def embeddings_route(request: sdk.Request) -> sdk.Response:
          summary="Ollama: every registered model")
 async def tags_route(request: sdk.Request) -> dict[str, Any]:
     host = sdk.host_of(request)
-    return {"models": [info.tag(e) for e in host.models.entries()]}
+    return {"models": [info.tag(e) for e in host.models.entries() if info.chats(e)]}
 
 
 @sdk.get("/api/ps", scope="models:read", access="open_read", error_family="ollama",

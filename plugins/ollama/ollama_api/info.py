@@ -192,12 +192,23 @@ def process(resident: Any, expires: float | None = None) -> dict[str, Any]:
     return out
 
 
+def chats(entry: Any) -> bool:
+    """Whether /api/tags lists the model. Open WebUI offers every model of /api/tags in its
+    chat picker (it reads neither capabilities nor details to choose), so a model that does
+    not chat (an embedding model, a reranker, a speech model) is left out; /api/show and
+    /api/embed still answer it by name, and /v1/models lists it with its role."""
+    return entry.role == "chat"
+
+
 def capabilities(entry: Any) -> list[str]:
     """Ollama's capability names. Every chat model takes tools here: localm describes them
-    in the prompt and reads the calls from the reply, whatever the template knows."""
+    in the prompt and reads the calls from the reply, whatever the template knows. A model
+    that does not chat has only ``embedding`` (an embedding model) or none."""
     caps = entry.capabilities
     if entry.role == "embedding":
         return ["embedding"]
+    if entry.role != "chat":
+        return []
     out = ["completion", "tools"]
     if caps.get("reasoning"):
         out.append("thinking")

@@ -92,14 +92,8 @@ def check_language(entry: Any, language: str | None) -> None:
                   "language")
 
 
-async def disconnected(request: sdk.Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-@sdk.post("/v1/audio/speech", scope="tts", error_family="openai", summary="OpenAI speech: text to speech with Piper")
+@sdk.post("/v1/audio/speech", scope="tts", access="inference", error_family="openai",
+          summary="OpenAI speech: text to speech with Piper")
 async def speech(request: sdk.Request) -> Any:
     from . import current
 
@@ -151,28 +145,32 @@ async def speech(request: sdk.Request) -> Any:
             raise _failure(item, entry)
         return item
 
-    first = await next_item_or_gone(request, next_item, host, job)
-    encoder = Encoder(asked.fmt, first[1], streamed=asked.stream)
-    headers = {"X-Localm-TTS-Model": entry.id, "X-Localm-Job": job.id,
-               "X-Localm-Sample-Rate": str(encoder.out_rate)}
-    if asked.seed is not None:
-        headers["X-Localm-Seed"] = f'{asked.seed};scope="request"'
+    try:
+        first = await next_item()
+        encoder = Encoder(asked.fmt, first[1], streamed=asked.stream)
+        headers = {"X-Localm-TTS-Model": entry.id, "X-Localm-Job": job.id,
+                   "X-Localm-Sample-Rate": str(encoder.out_rate)}
+        if asked.seed is not None:
+            headers["X-Localm-Seed"] = f'{asked.seed};scope="request"'
 
-    if asked.stream:
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                while (item := await next_item()) is not _END:
-                    if data := encoder.feed(item):
+        if asked.stream:
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    while (item := await next_item()) is not _END:
+                        if data := encoder.feed(item):
+                            yield data
+                    if data := encoder.finish():
                         yield data
-                if data := encoder.finish():
-                    yield data
-            finally:
-                host.jobs.cancel(job)  # a no-op once the job has ended
+                finally:
+                    host.jobs.cancel(job)  # a no-op once the job has ended
 
-        return sdk.Stream(chunks(), media_type=encoder.media_type, headers=headers)
+            return sdk.Stream(chunks(), media_type=encoder.media_type, headers=headers)
 
-    while (item := await next_item_or_gone(request, next_item, host, job)) is not _END:
-        encoder.feed(item)
+        while (item := await next_item()) is not _END:
+            encoder.feed(item)
+    except asyncio.CancelledError:  # the client left: the kernel cancels an inference route's handler
+        host.jobs.cancel(job)
+        raise
     return sdk.Response(encoder.finish(), media_type=encoder.media_type, headers=headers)
 
 
@@ -188,22 +186,8 @@ def _failure(exc: BaseException, entry: Any) -> sdk.LocalmError:
     return sdk.LocalmError(502, f"{entry.id} failed to speak: {type(exc).__name__}", code="speech_failed")
 
 
-async def next_item_or_gone(request: sdk.Request, next_item: Any, host: Any, job: Any) -> Any:
-    """The next item of the job's output, or, when the client leaves first, the job cancelled."""
-    item = asyncio.ensure_future(next_item())
-    watcher = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({item, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not item.done():
-        item.cancel()
-        host.jobs.cancel(job)
-        raise sdk.LocalmError(409, "The client went away; the speech job was cancelled", code="cancelled")
-    return item.result()
-
-
-@sdk.get("/v1/audio/voices", scope="tts", error_family="openai", summary="The voices /v1/audio/speech speaks with")
+@sdk.get("/v1/audio/voices", scope="tts", access="inference", expensive=False, error_family="openai",
+         summary="The voices /v1/audio/speech speaks with")
 async def voices(request: sdk.Request) -> dict[str, Any]:
     from . import current
 
