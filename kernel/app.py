@@ -24,7 +24,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import ScalarRenderPlugin
 from litestar.routes import HTTPRoute
 
-from . import __version__, limits
+from . import __version__, limits, logs
 from .auth import ANONYMOUS, OPEN, WEB, Principal
 from .errors import LocalmError
 from .limits import LimitedRequest, too_large
@@ -367,8 +367,17 @@ def make_exception_handler(kernel: "Kernel") -> Callable[[Request, Exception], R
             response = default_error(status, detail, code, extra)
         for key, value in headers.items():
             response.headers[key] = value
+        logs.annotate(request, code=code or _error_type(response))
         return response
     return handle
+
+
+def _error_type(response: Response) -> str | None:
+    """The kind of error an OpenAI or Anthropic error body names (``error.type``, such as
+    invalid_request_error) when the error has no code of its own."""
+    error = response.content.get("error") if isinstance(response.content, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _body_limit(request: Request) -> int | None:
@@ -413,7 +422,8 @@ def build_litestar(kernel: "Kernel", kernel_routes: list[Any], plugin_routers: l
 
 
 class KernelASGI:
-    """The ASGI app uvicorn serves: lifespan, metrics, CORS headers, then the current Litestar app."""
+    """The ASGI app uvicorn serves: lifespan, metrics, the request log, CORS headers, then the current
+    Litestar app."""
 
     def __init__(self, kernel: "Kernel") -> None:
         self.kernel = kernel
@@ -424,19 +434,15 @@ class KernelASGI:
             await self._lifespan(receive, send)
             return
         app = self.app
-        if app is None:
-            await _plain(send, 503, b'{"detail":"Server is starting"}')
-            return
-        metrics = self.kernel.metrics
         if scope["type"] != "http":
-            await app(scope, receive, send)
+            if app is not None:
+                await app(scope, receive, send)
             return
-        started = time.perf_counter()
-        status_box = [499]
+        line, token = logs.begin(scope)
 
         async def send_wrapper(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
-                status_box[0] = message["status"]
+                line.status = 499 if line.left else message["status"]  # an answer nobody hears
                 origin = scope.get("localm_cors")
                 if origin:
                     cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
@@ -444,17 +450,33 @@ class KernelASGI:
                         cors.append((b"access-control-allow-credentials", b"true"))
                     message["headers"] = [*message.get("headers", []), *cors]
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                line.ended = True
 
-        if metrics is None:
-            await app(scope, receive, send_wrapper)
-            return
-        metrics.in_flight += 1
+        async def receive_wrapper() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not line.ended:
+                line.left = True
+            return message
+
+        metrics = self.kernel.metrics
+        if metrics is not None:
+            metrics.in_flight += 1
         try:
-            await app(scope, receive, send_wrapper)
+            if app is None:
+                await _plain(send_wrapper, 503, b'{"detail":"Server is starting"}')
+            else:
+                await app(scope, receive_wrapper, send_wrapper)
+        except Exception:
+            line.failed = True
+            raise
         finally:
-            metrics.in_flight -= 1
-            metrics.observe_request(scope["method"], scope.get("path_template") or "other", status_box[0],
-                                    time.perf_counter() - started)
+            logs.end(token)
+            if metrics is not None:
+                metrics.in_flight -= 1
+                metrics.observe_request(scope["method"], scope.get("path_template") or "other", line.final_status,
+                                        time.perf_counter() - line.started)
+            line.write()
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -154,14 +153,17 @@ def main(ctx: click.Context, data_dir: Path | None) -> None:
 @click.option("--plugins", "plugins_", help="Comma-separated plugins to run this time (protected ones always run).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), help="Data directory.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), help="Log level.")
+@click.option("--log-format", type=click.Choice(["text", "json"]),
+              help="Log lines as text, or as one JSON object a line (default: the log_format setting, text).")
 @click.option("--loop", type=click.Choice(["auto", "uvloop", "asyncio"]), default="auto", show_default=True,
               help="Event loop (auto: uvloop when it is installed).")
 @click.option("--http", "http_", type=click.Choice(["auto", "httptools", "h11"]), default="auto", show_default=True,
               help="HTTP parser (auto: httptools when it is installed).")
 @click.pass_obj
 def serve(obj: Ctx, model: str | None, host: str | None, port: int | None, plugins_: str | None,
-          data_dir: Path | None, log_level: str | None, loop: str, http_: str) -> None:
+          data_dir: Path | None, log_level: str | None, log_format: str | None, loop: str, http_: str) -> None:
     """Serve the HTTP API (and MODEL, when given)."""
+    from .logs import configure
     from .server import pick
     from .server import serve as run_server
     try:
@@ -171,9 +173,10 @@ def serve(obj: Ctx, model: str | None, host: str | None, port: int | None, plugi
     data = data_dir or obj.data_dir
     config = Config(data)
     level = log_level or config.get("log_level")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if level != "debug":  # httpx says INFO of every request the server makes (an upstream's, a download's)
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        configure(level, log_format or config.get("log_format"))
+    except ValueError as exc:  # a hand-edited config.json
+        fail(f"{exc} (check log_level and log_format in config.json)")
     only = [p.strip() for p in plugins_.split(",") if p.strip()] if plugins_ is not None else None
     try:
         run_server(data_dir=data, host=host or config.get("bind_host"), port=port if port is not None else

@@ -49,6 +49,9 @@ class KernelSettings:
     suggest_plugins: bool = setting(True, description="Let clients suggest plugins that would help")
     log_level: str = setting("info", choices=("debug", "info", "warning", "error"),
                              description="Server log level (applies at the next start)")
+    log_format: str = setting("text", choices=("text", "json"),
+                              description="Server log lines as text, or as one JSON object a line (applies at the "
+                                          "next start)")
     max_body_bytes: int = setting(limits.MAX_BODY_BYTES, min=1024, owner_only=True,
                                   description="The largest request body a route accepts unless it sets its own "
                                               "limit (a 413 past it; applies at the next start)")

@@ -15,6 +15,8 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Callable
 
+from . import logs
+
 log = logging.getLogger("localm.jobs")
 
 TERMINAL = ("done", "failed", "cancelled")
@@ -134,6 +136,7 @@ class Jobs:
         job.in_thread = not inspect.iscoroutinefunction(fn)
 
         async def run() -> None:
+            logs.forget_request()  # the job outlives the request that started it
             job.status = "running"
             job.started = time.time()
             job._emit("status", status="running")

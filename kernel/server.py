@@ -15,6 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
+from . import logs
 from .runtime import Kernel
 
 log = logging.getLogger("localm")
@@ -86,7 +87,7 @@ def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model
         sock = bind_socket(host, port, bump=True)
     actual = sock.getsockname()[1]
     if port not in (0, actual) and not restart_port:
-        print(f"localm: port {port} is busy; serving on {actual} instead", file=sys.stderr, flush=True)
+        logs.announce(f"localm: port {port} is busy; serving on {actual} instead")
     kernel = Kernel(data_dir, bind_host=host, port=actual, only=only, model=model)
     config = uvicorn.Config(kernel.asgi, lifespan="on", log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5, log_config=None, server_header=False, loop=loop, http=http)
@@ -103,9 +104,8 @@ def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model
         kernel.write_server_file(host, actual)
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual}"
         active = [p.name for p in kernel.plugins.plugins.values() if p.active]
-        print(f"localm {'restarted' if restart_port else 'serving'} on {url} "
-              f"(data: {kernel.data_dir}; plugins: {', '.join(sorted(active)) or 'none'}; {loop}, {http})",
-              file=sys.stderr, flush=True)
+        logs.announce(f"localm {'restarted' if restart_port else 'serving'} on {url} "
+                      f"(data: {kernel.data_dir}; plugins: {', '.join(sorted(active)) or 'none'}; {loop}, {http})")
 
     kernel.on_ready = announce
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again: end with status 0

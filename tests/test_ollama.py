@@ -188,8 +188,9 @@ def test_tools_and_a_tool_round_trip(client: Any) -> None:
     answered = client.chat(model=MODEL, messages=round_trip, tools=[WEATHER],
                            options={"temperature": 0, "num_predict": 8})
     assert answered.done and not answered.message.tool_calls
-    # the call and its result reached the model
-    assert answered.prompt_eval_count > r.prompt_eval_count + 15
+    # the call and its result reached the model: as on Ollama, prompt_eval_count counts the
+    # tokens the model computed, here what follows the question it read for ``r`` (cached)
+    assert answered.prompt_eval_count > 15
 
 
 # --- embeddings --------------------------------------------------------------------------

@@ -124,6 +124,20 @@ class Generation:
         return self.chain.context
 
     async def _generate(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning | pipeline.Call]:
+        """The engine's items; when they end (or the client leaves), the request log's line
+        gets the tokens in and out, and the code of a refusal met on the way."""
+        async with contextlib.aclosing(self._engine_items()) as items:
+            try:
+                async for item in items:
+                    yield item
+            except sdk.LocalmError as exc:
+                sdk.annotate(code=exc.code)
+                raise
+            finally:
+                sdk.annotate(tokens_in=self.outcome.prompt_tokens, tokens_out=self.outcome.completion_tokens)
+
+    async def _engine_items(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning
+                                                   | pipeline.Call]:
         """The engine's items. A constrained document the model ended itself is validated at
         the end: a failure raises 500 constrained_output_invalid after the last item."""
         content: list[str] = []
@@ -462,6 +476,7 @@ class ChatService:
         async with self.host.models.use(entry.id) as resident:
             vectors = await resident.engine.embed(texts)
             tokens = sum(len(resident.engine.tokenize(t)) for t in texts)
+        sdk.annotate(model=entry.id, tokens_in=tokens)
         return entry, vectors, tokens
 
     async def rerank(self, model: str | None, query: str, documents: list[str], *,
@@ -478,7 +493,9 @@ class ChatService:
         that is not a reranker, a missing file or one without a classifier head; 503 when the
         model cannot be loaded or its worker fails.
         """
-        return await reranking.rerank(self.host, model, query, documents, top_n=top_n)
+        entry, results, tokens = await reranking.rerank(self.host, model, query, documents, top_n=top_n)
+        sdk.annotate(model=entry.id, tokens_in=tokens)
+        return entry, results, tokens
 
     async def count_tokens(self, body: dict[str, Any], *, route: str = "anthropic.count_tokens",
                            request: Any = None, extra: dict[str, Any] | None = None) -> int:
@@ -635,6 +652,7 @@ class ChatService:
         asked = common.sampling.max_tokens  # the client's own cap, checked against the window
         common = self._capped(common, headers)
         entry = host.models.resolve(common.model)
+        sdk.annotate(model=entry.id, tokens_in=None)  # not the tokens an inlet hook's embedding read
         self.check_chat_model(entry)  # refused before it loads (and unloads another model)
         hold = await host.models.hold(entry.id)
         with _released_on_error(hold) as resident:
