@@ -4,7 +4,7 @@ the request log, one line per request on the ``localm.access`` logger.
 A request's line is written when its response has ended (a stream's when the stream ends)
 by :class:`KernelASGI <localm.kernel.app.KernelASGI>`: method, path (never the query
 string), status, duration, the caller's key id, and what the handlers added with
-:func:`annotate` (the model, the tokens in and out, the error code). Request bodies and
+:func:`annotate` (the model, the tokens in, read from cache and out, the error code). Request bodies and
 headers are never logged.
 """
 
@@ -25,7 +25,7 @@ FORMATS = ("text", "json")
 #: What the kernel says of every request; annotate() cannot change these.
 RESERVED = frozenset({"method", "path", "status", "duration_ms", "key_id", "client", "client_left"})
 #: The order annotations are written in (others follow in the order they were added).
-ORDER = ("code", "model", "tokens_in", "tokens_out")
+ORDER = ("code", "model", "tokens_in", "tokens_cached", "tokens_out")
 SCOPE_KEY = "localm_request_line"
 
 _current: contextvars.ContextVar["RequestLine | None"] = contextvars.ContextVar("localm_request_line",

@@ -22,12 +22,16 @@ ASK = [{"role": "user", "content": "Say hi."}]
 SURFACES = ["openai.chat", "ollama", "anthropic", "responses"]
 
 
-def prompt_tokens(url: str) -> dict[str, int]:
+def prompt_tokens(s: Any) -> dict[str, int]:
     """The prompt size each surface reports for the same one-message conversation."""
+    url = s.url
+    # Ollama's prompt_eval_count counts the tokens the model computed: it goes first, on an
+    # empty cache, or it would count none of what the requests before it left cached
+    s.owner().post("/v1/models/unload", params={"model": MODEL})
+    out = {"ollama": ollama.Client(host=url, timeout=120).chat(
+        model=MODEL, messages=ASK, options={"num_predict": 1}).prompt_eval_count}
     chat = openai.OpenAI(base_url=url + "/v1", api_key="open", timeout=120)
-    out = {"openai.chat": chat.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage.prompt_tokens}
-    out["ollama"] = ollama.Client(host=url, timeout=120).chat(
-        model=MODEL, messages=ASK, options={"num_predict": 1}).prompt_eval_count
+    out["openai.chat"] = chat.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage.prompt_tokens
     out["anthropic"] = anthropic.Anthropic(base_url=url, api_key="open", timeout=120).messages.create(
         model=MODEL, messages=ASK, max_tokens=1).usage.input_tokens
     out["responses"] = chat.responses.create(model=MODEL, input="Say hi.", max_output_tokens=16).usage.input_tokens
@@ -40,12 +44,12 @@ def test_an_inlet_hook_reaches_every_surface(module_server: Callable[..., Any]) 
 
     s = module_server(prepare=prepare,
                       plugins=["chat", "llamacpp", "ollama", "anthropic", "responses", "inletprobe"])
-    hooked = prompt_tokens(s.url)
+    hooked = prompt_tokens(s)
     seen = httpx.get(s.url + "/inletprobe/seen").json()["routes"]
     assert len(seen) == len(SURFACES) and len(set(seen)) == len(SURFACES), seen
     disabled = s.cli("plugin", "disable", "inletprobe")
     assert disabled.returncode == 0, disabled.stderr + disabled.stdout
-    plain = prompt_tokens(s.url)
+    plain = prompt_tokens(s)
     for surface in SURFACES:
         assert hooked[surface] - plain[surface] >= 20, (surface, hooked, plain)
     assert httpx.get(s.url + "/inletprobe/seen").status_code == 404

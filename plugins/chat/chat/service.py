@@ -134,7 +134,8 @@ class Generation:
                 sdk.annotate(code=exc.code)
                 raise
             finally:
-                sdk.annotate(tokens_in=self.outcome.prompt_tokens, tokens_out=self.outcome.completion_tokens)
+                sdk.annotate(tokens_in=self.outcome.prompt_tokens, tokens_cached=self.outcome.cached_tokens or None,
+                             tokens_out=self.outcome.completion_tokens)
 
     async def _engine_items(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning
                                                    | pipeline.Call]:
