@@ -1,26 +1,26 @@
-"""A front end's follow-up turn: time to first token of the second message of a chat whose
+"""A front end's follow-up turns: time to first token of each follow-up message of a chat whose
 prompt carries long tool definitions, with and without the side requests Open WebUI sends
-between the two messages (title, tags and follow-up suggestions), on localm and on
-llama.cpp's own ``llama-server --parallel N`` in the same run.
+between two messages (title, tags and follow-up suggestions), on localm and on llama.cpp's
+own ``llama-server --parallel N`` in the same run.
 
-    .venv/bin/python bench/prompt_cache.py                  # about six minutes on 2 CPUs
+    .venv/bin/python bench/prompt_cache.py                  # about five minutes on 2 CPUs
     .venv/bin/python bench/prompt_cache.py --parallel 1     # one slot: the host-memory cache
+    .venv/bin/python bench/prompt_cache.py --no-peer        # localm only
 
 Each server runs the model alone on 127.0.0.1 (localm: ``localm serve --plugins
 chat,llamacpp`` on a fresh data dir with the llamacpp plugin's defaults and the same
-``n_threads``, ``n_batch`` and ``n_parallel``; llama-server: ``--parallel N`` slots of the
-same window, built by bench/llama_server.py). Each scenario starts a chat whose system
-prompt no earlier request began with (about ``--tool-tokens`` tokens of tool definitions):
+``n_threads``, ``n_batch``, ``n_parallel`` and window; llama-server: ``--parallel N`` slots
+of that window, built by bench/llama_server.py). On each, one chat whose system prompt is
+about ``--tool-tokens`` tokens of tool definitions: its first message, then ``--turns``
+follow-up messages. Before every other follow-up (**tasks**) come Open WebUI's three
+background requests, one after another, each a ``### Task:`` prompt quoting the chat (its
+title, tags and follow-up templates); the others (**alone**) follow the previous reply
+directly. All requests are streamed OpenAI chat completions at temperature 0 with a small
+``max_tokens``; each follow-up is timed from sending it to its first content chunk.
 
-- **tasks**: the first message; then Open WebUI's three background requests, one after
-  another, each a ``### Task:`` prompt quoting the chat so far (its title, tags and follow-up
-  templates); then the second message, timed.
-- **alone**: the first message, then the second, timed.
-
-All requests are streamed OpenAI chat completions at temperature 0 with a small
-``max_tokens``. The table gives each server's follow-up TTFT in both scenarios, the tokens
-localm's usage says it read from cache, and the ratios: tasks/alone for each server
-(target <= 2.0 for localm) and localm/llama-server with the tasks (target <= 1.0).
+The table gives each server's median follow-up TTFT in both kinds, the prompt tokens its
+usage says were read from cache, and the ratios: tasks/alone for each server (target <= 2.0
+for localm) and localm/llama-server with the tasks (target <= 1.0).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import argparse
 import json
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,19 +101,27 @@ def chat(url: str, model: str, messages: list[dict], max_tokens: int) -> dict[st
     return {"text": "".join(text), "ttft_ms": ((first or time.perf_counter()) - started) * 1000, "usage": usage}
 
 
-def scenario(url: str, model: str, n: int, args: argparse.Namespace, with_tasks: bool) -> dict[str, Any]:
+def conversation(url: str, model: str, n: int, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """One chat: its first message, then ``args.turns`` follow-up turns, every other one
+    preceded by Open WebUI's three background requests; each follow-up's TTFT and usage."""
     system = {"role": "system", "content": tools(n, args.tool_tokens)}
-    first = [system, {"role": "user", "content": "Which tool finds my notes about the garden, and how?"}]
-    answer = chat(url, model, first, args.max_tokens)
-    history = f"USER: {first[1]['content']}\nASSISTANT: {answer['text']}"
-    if with_tasks:
-        for template in (TITLE, TAGS, FOLLOW_UP):
-            chat(url, model, [{"role": "user", "content": template.replace("{history}", history)}], 24)
-    second = first + [{"role": "assistant", "content": answer["text"]},
-                      {"role": "user", "content": "And the one for my recipes?"}]
-    out = chat(url, model, second, args.max_tokens)
-    return {"ttft_ms": out["ttft_ms"], "prompt_tokens": out["usage"].get("prompt_tokens"),
-            "cached": (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")}
+    messages = [system, {"role": "user", "content": "Which tool finds my notes about the garden, and how?"}]
+    reply = chat(url, model, messages, args.max_tokens)
+    out: dict[str, list[dict[str, Any]]] = {"tasks": [], "alone": []}
+    for turn in range(args.turns):
+        label = "tasks" if turn % 2 == 0 else "alone"
+        if label == "tasks":
+            history = "\n".join(f"{m['role'].upper()}: {m['content']}" for m in messages[1:])
+            history += f"\nASSISTANT: {reply['text']}"
+            for template in (TITLE, TAGS, FOLLOW_UP):
+                chat(url, model, [{"role": "user", "content": template.replace("{history}", history)}], 24)
+        messages = messages + [{"role": "assistant", "content": reply["text"]},
+                               {"role": "user", "content": f"And the one for my recipes, number {turn}?"}]
+        reply = chat(url, model, messages, args.max_tokens)
+        out[label].append({"ttft_ms": reply["ttft_ms"], "prompt_tokens": reply["usage"].get("prompt_tokens"),
+                           "cached": (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")})
+        print(f"  turn {turn + 1} ({label}): {out[label][-1]}", file=sys.stderr)
+    return out
 
 
 class LlamaServer:
@@ -151,6 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tool-tokens", type=int, default=6700)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6, help="follow-up turns, every other one after the tasks")
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--n-ctx", type=int, default=8192, help="each slot's window")
     parser.add_argument("--threads", type=int, default=2)
@@ -175,20 +185,20 @@ def main() -> None:
         if not args.no_peer:
             peer = LlamaServer(model_path, args, work)
             servers.append(("llama-server", peer.url, "model"))
-        n = 0
-        for name, url, model in servers:
+        for n, (name, url, model) in enumerate(servers):
             chat(url, model, [{"role": "user", "content": "Say OK."}], 4)  # warm up
-            rows[name] = {}
-            for label, with_tasks in (("tasks", True), ("alone", False)):
-                n += 1
-                rows[name][label] = scenario(url, model, n, args, with_tasks)
-                print(f"{name} {label}: {rows[name][label]}", file=sys.stderr)
-        print(f"follow-up turn after ~{args.tool_tokens} tokens of tool definitions; {args.parallel} slots of "
-              f"{args.n_ctx} tokens, {args.threads} threads, n_batch {args.n_batch}")
+            print(name, file=sys.stderr)
+            turns = conversation(url, model, n, args)
+            rows[name] = {label: {"ttft_ms": statistics.median(t["ttft_ms"] for t in got),
+                                  "cached": got[0]["cached"], "prompt_tokens": got[0]["prompt_tokens"]}
+                          for label, got in turns.items()}
+        print(f"follow-up turns after ~{args.tool_tokens} tokens of tool definitions (medians of {args.turns // 2} "
+              f"turns each); {args.parallel} slots of {args.n_ctx} tokens, {args.threads} threads, "
+              f"n_batch {args.n_batch}")
         print(f"{'':38}" + "".join(f"{name:>14}" for name in rows))
         for label, text in (("tasks", "TTFT after title/tags/follow-up"), ("alone", "TTFT with nothing between")):
             print(f"{text + ' (ms)':38}" + "".join(f"{rows[name][label]['ttft_ms']:>14.0f}" for name in rows))
-        print(f"{'prompt tokens read from cache, tasks':38}"
+        print(f"{'read from cache, first turn w/ tasks':38}"
               + "".join(f"{str(rows[name]['tasks']['cached']) + '/' + str(rows[name]['tasks']['prompt_tokens']):>14}"
                         for name in rows))
         print(f"{'tasks/alone':38}" + "".join(f"{rows[n]['tasks']['ttft_ms'] / rows[n]['alone']['ttft_ms']:>14.2f}"

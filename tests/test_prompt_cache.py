@@ -22,10 +22,10 @@ from localm.sdk.testing import LocalmServer
 pytest.importorskip("llama_cpp")
 
 MODEL = "smollm2-135m-instruct"
-#: about 1,500 tokens of tool definitions, as a front end puts them in front of every chat
+#: about 800 tokens of tool definitions, as a front end puts them in front of every chat
 TOOLS = "You can call these tools:\n" + "\n".join(json.dumps({"type": "function", "function": {
     "name": f"tool_{i}", "description": f"Look up record {i} in the user's notes.",
-    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}) for i in range(40))
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}) for i in range(20))
 TASKS = ["### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history.\n"
          "### Chat History:\n<chat_history>\n{history}\n</chat_history>",
          "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the chat history.\n"
@@ -79,7 +79,7 @@ def cached(reply: Any) -> int:
 def test_a_follow_up_after_a_front_ends_tasks_reads_only_its_new_tokens(server: LocalmServer) -> None:
     # four slots: the tasks take the free slots, never the conversation's
     one, two = open_webui_turns(client_of(server), "Chat A. " + TOOLS)
-    assert one.usage.prompt_tokens > 1000 and cached(one) == 0
+    assert one.usage.prompt_tokens > 600 and cached(one) == 0
     assert cached(two) >= one.usage.prompt_tokens, (cached(two), one.usage.prompt_tokens)
     assert two.usage.prompt_tokens - cached(two) < 40  # the reply and the new question
 
@@ -106,7 +106,7 @@ def test_ollama_counts_only_the_prompt_tokens_it_evaluated(server: LocalmServer)
     client = ollama.Client(host=server.url, timeout=600)
     first = [{"role": "system", "content": "Chat D. " + TOOLS}, {"role": "user", "content": "Which tool?"}]
     one = client.chat(model=MODEL, messages=first, options={"num_predict": 8, "temperature": 0})
-    assert one.prompt_eval_count > 1000
+    assert one.prompt_eval_count > 600
     follow = first + [{"role": "assistant", "content": one.message.content}, {"role": "user", "content": "Why?"}]
     two = client.chat(model=MODEL, messages=follow, options={"num_predict": 8, "temperature": 0})
     assert 0 < two.prompt_eval_count < 60, two.prompt_eval_count  # as Ollama: the cached tokens are not counted
@@ -148,7 +148,7 @@ def test_a_restarted_server_reads_the_common_prefix_from_its_persisted_cache(
             s.stop()
 
     warm = new_chat("What can you do?")  # a new chat with the same tool definitions
-    assert cached(warm) > 1000, cached(warm)
+    assert cached(warm) > 600, cached(warm)
     assert warm.usage.prompt_tokens - cached(warm) < 30
 
     # a damaged file: skipped with a warning, the server answers from scratch
