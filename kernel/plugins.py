@@ -13,6 +13,7 @@ its error and everything else keeps serving.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -492,7 +493,10 @@ class PluginHost:
         p.module = module
         try:
             self.pm.register(module, name=p.name)
+            self._check_hook_names(p)
         except Exception as exc:
+            if self.pm.has_plugin(p.name):
+                self.pm.unregister(name=p.name)
             self._forget_modules(p.name)
             p.error = _error_text(exc)
             log.error("plugin %s failed to register: %s", p.name, p.error)
@@ -516,6 +520,25 @@ class PluginHost:
         p.active = True
         self._impl_version += 1
         log.info("plugin %s %s active", p.name, p.manifest.version if p.manifest else "")
+
+    def _check_hook_names(self, p: Plugin) -> None:
+        """Refuse a plugin that marks with ``@sdk.hookimpl`` a function no hook is called by
+        (``chat_inlett``): pluggy would keep it and never call it, so the plugin would run
+        without the behaviour its author wrote. ``@sdk.hookimpl(optionalhook=True)`` marks
+        one on purpose (a hook of another version of localm)."""
+        known = sorted(name for name, caller in vars(self.pm.hook).items()
+                       if isinstance(caller, pluggy.HookCaller) and caller.spec is not None)
+        unknown = sorted(caller.name for caller in self.pm.get_hookcallers(self.pm.get_plugin(p.name)) or []
+                         if caller.spec is None and any(impl.plugin_name == p.name and not impl.optionalhook
+                                                        for impl in caller.get_hookimpls()))
+        if not unknown:
+            return
+        parts = []
+        for name in unknown:
+            near = difflib.get_close_matches(name, known, n=1)
+            parts.append(f"{name} (did you mean {near[0]}?)" if near else name)
+        raise LocalmError(500, f"{', '.join(parts)} {'is no hook' if len(parts) == 1 else 'are no hooks'} of "
+                               "localm: see docs/plugins.md for the hooks and their names")
 
     def _declare(self, p: Plugin, cls: type) -> None:
         for spec in fields_of(cls):

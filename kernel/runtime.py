@@ -18,7 +18,7 @@ from litestar import Router
 
 from . import __version__
 from .app import KernelASGI, build_litestar, host_name, route_pairs
-from .auth import KeyStore
+from .auth import KERNEL_SCOPES, KeyStore
 from .config import Config
 from .datadir import server_file
 from .errors import LocalmError
@@ -140,6 +140,7 @@ class Kernel:
             try:
                 self.plugins.call_sync("register_routes", p, register=lambda *hs: handlers.extend(hs))
                 pairs = [pair for h in handlers for pair in route_pairs(h)]
+                _check_scopes(handlers, set(KERNEL_SCOPES) | set(self.plugins.known_scopes()), name)
                 clash = next((pair for pair in pairs if pair in taken), None)
                 if clash is not None:
                     raise LocalmError(500, f"route {clash[1]} {clash[0]} is already served by {taken[clash]}")
@@ -217,3 +218,21 @@ def _url_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def _check_scopes(handlers: list[Any], known: set[str], plugin: str) -> None:
+    """A route whose scope no plugin.toml lists could never be granted (``localm key create``
+    refuses a scope nobody declares): the plugin fails to mount its routes, saying which."""
+    from litestar.handlers import HTTPRouteHandler
+    stack = list(handlers)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Router):
+            stack.extend(h for route in value.routes for h in getattr(route, "route_handlers", ()))
+            continue
+        scope = (getattr(value, "opt", None) or {}).get("scope")
+        if isinstance(scope, str) and scope not in known and isinstance(value, HTTPRouteHandler):
+            path = next(iter(value.paths), "/")
+            raise LocalmError(500, f"route {path} needs the scope {scope!r}, which no plugin.toml lists: add it to "
+                                   f"the scopes in {plugin}'s plugin.toml")
+

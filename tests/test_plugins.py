@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -285,3 +286,42 @@ def test_builtin_plugins_are_installed_and_cannot_be_uninstalled(tmp_path: Path)
     with pytest.raises(LocalmError) as err:
         host.check_uninstall("guard")
     assert err.value.status == 409
+
+
+def _copy_of_guard(tmp_path: Path, name: str) -> Path:
+    src = tmp_path / name
+    shutil.copytree(TEST_STORE / "guard", src)
+    (src / "plugin.toml").write_text((src / "plugin.toml").read_text()
+                                     .replace('id = "guard"', f'id = "{name}"').replace("protected = true", "")
+                                     .replace('scopes = ["guard"]', f'scopes = ["{name}"]'))
+    (src / "guard.py").write_text((src / "guard.py").read_text().replace("/guard/", f"/{name}/"))
+    return src
+
+
+def test_a_misspelt_hook_fails_the_plugin_with_the_name_it_meant(server: Any, tmp_path: Path) -> None:
+    s = server()
+    owner = s.owner()
+    src = _copy_of_guard(tmp_path, "typo")
+    with (src / "guard.py").open("a") as fh:
+        fh.write("\n\n@sdk.hookimpl\ndef chat_inlett(request):\n    return None\n"
+                 "\n\n@sdk.hookimpl(optionalhook=True)\ndef a_hook_of_a_later_localm():\n    return None\n")
+    assert owner.post("/api/plugins/install-external", json={"source": str(src)}).status_code == 200
+    p = state(owner, "typo")
+    assert not p["active"] and "chat_inlett (did you mean chat_inlet?) is no hook of localm" in p["error"], p
+    assert owner.get("/typo/ping").status_code == 404
+    assert owner.get("/api/plugins").status_code == 200  # the rest serves
+
+
+def test_a_route_whose_scope_no_manifest_lists_fails_its_plugin(server: Any, tmp_path: Path) -> None:
+    s = server()
+    owner = s.owner()
+    src = _copy_of_guard(tmp_path, "unlisted")
+    (src / "guard.py").write_text((src / "guard.py").read_text()
+                                  .replace('@sdk.get("/unlisted/ping")', '@sdk.get("/unlisted/ping", scope="unlisted:read")'))
+    assert owner.post("/api/plugins/install-external", json={"source": str(src)}).status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and state(owner, "unlisted")["active"]:
+        time.sleep(0.1)  # its routes are refused when the app is rebuilt, just after the install
+    p = state(owner, "unlisted")
+    assert not p["active"] and "scope 'unlisted:read', which no plugin.toml lists" in p["error"], p
+    assert owner.get("/unlisted/ping").status_code == 404
