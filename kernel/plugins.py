@@ -459,7 +459,8 @@ class PluginHost:
         p = self.plugins.get(name)
         if p is not None:
             p.hook_error = f"{hook} hook failed: {_error_text(exc)}"
-        return LocalmError(500, f"The {name} plugin failed in its {hook} hook; the request was refused",
+        return LocalmError(500, f"The {name} plugin failed in its {hook} hook; the request was refused (the "
+                                f"server log has the error, and GET /api/plugins shows it)",
                            code="plugin_failed", plugin=name)
 
     async def run_hook(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:

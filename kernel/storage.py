@@ -109,7 +109,7 @@ def read_json(path: Path, default: Any, *, what: str, expect: type | None = None
 class JsonFile:
     """A JSON document on disk, read fresh and updated under a cross-process lock."""
 
-    def __init__(self, path: Path, *, what: str, default: Callable[[], Any], expect: type,
+    def __init__(self, path: Path, *, what: str, default: Callable[[], Any] = dict, expect: type = dict,
                  mode: int = 0o644, lock_timeout: float | None = None) -> None:
         self.path = Path(path)
         self.what = what

@@ -306,6 +306,7 @@ def test_an_inlet_changes_the_model(server: Any, clients: dict[str, Any]) -> Non
 def test_a_hook_that_raises_refuses_the_request(server: Any, clients: dict[str, Any], surface: str) -> None:
     status, message = refusal(clients, surface, "Please explode now.", stream=False)
     assert status == 500 and "hookfail" in message and "secret" not in message, (status, message)
+    assert "server log" in message  # where its author finds the traceback
     state = plugin_state(server, "hookfail")
     assert state["active"] is True
     assert state["error"] == "chat_inlet hook failed: RuntimeError: internal detail: /srv/secret/path"

@@ -78,3 +78,14 @@ def test_private_files_are_0600(tmp_path: Path) -> None:
     f = JsonFile(tmp_path / "keys.json", what="keys", default=list, expect=list, mode=0o600)
     f.write([])
     assert f.path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_json_file_is_a_dict_unless_told_otherwise(tmp_path: Path) -> None:
+    # docs/plugins.md: default and expect are dict when left out
+    notes = JsonFile(tmp_path / "notes.json", what="the notes file")
+    assert notes.read() == {}
+    notes.update(lambda value: {**value, "a": 1})
+    assert notes.read() == {"a": 1}
+    items = JsonFile(tmp_path / "items.json", what="the items file", default=list, expect=list)
+    items.update(lambda value: [*value, 1])
+    assert items.read() == [1]
