@@ -520,7 +520,27 @@ class PluginHost:
             return
         p.active = True
         self._impl_version += 1
+        self._check_commands(p)
         log.info("plugin %s %s active", p.name, p.manifest.version if p.manifest else "")
+
+    def _check_commands(self, p: Plugin) -> None:
+        """Say so when ``register_commands`` registers a command that plugin.toml's
+        ``commands`` does not list: the CLI finds a plugin's commands by that list without
+        importing the plugin, so ``localm NAME`` would only answer "No such command". The
+        plugin stays active; its error says which names to add."""
+        if p.manifest is None or not self.impls("register_commands", p):
+            return
+        names: list[str] = []
+        try:
+            self.call_sync("register_commands", p, host=None,
+                           register=lambda *commands: names.extend(getattr(c, "name", "") or "" for c in commands))
+        except Exception:  # noqa: BLE001 - the CLI reports a command that cannot register when it runs
+            return
+        unlisted = sorted({name for name in names if name and name not in p.manifest.commands})
+        if unlisted:
+            p.hook_error = (f"register_commands registers {', '.join(unlisted)}, which plugin.toml's commands does "
+                            f"not list: `localm {unlisted[0]}` cannot find it until it is listed there")
+            log.warning("plugin %s: %s", p.name, p.hook_error)
 
     def _check_hook_names(self, p: Plugin) -> None:
         """Refuse a plugin that marks with ``@sdk.hookimpl`` a function no hook is called by

@@ -325,3 +325,19 @@ def test_a_route_whose_scope_no_manifest_lists_fails_its_plugin(server: Any, tmp
     p = state(owner, "unlisted")
     assert not p["active"] and "scope 'unlisted:read', which no plugin.toml lists" in p["error"], p
     assert owner.get("/unlisted/ping").status_code == 404
+
+
+def test_a_command_the_manifest_does_not_list_is_named_in_the_plugins_error(server: Any, tmp_path: Path) -> None:
+    s = server()
+    owner = s.owner()
+    src = tmp_path / "quiet"
+    shutil.copytree(TEST_STORE / "jobber", src)
+    (src / "plugin.toml").write_text((src / "plugin.toml").read_text().replace('id = "jobber"', 'id = "quiet"')
+                                     .replace('scopes = ["jobber"]', 'scopes = ["quiet"]')
+                                     .replace('commands = ["jobber-run"]', "commands = []"))
+    (src / "jobber.py").write_text((src / "jobber.py").read_text().replace("/jobber/", "/quiet/")
+                                   .replace('scope="jobber', 'scope="quiet'))
+    assert owner.post("/api/plugins/install-external", json={"source": str(src)}).status_code == 200
+    p = state(owner, "quiet")
+    assert p["active"], p  # it runs; only its command cannot be found
+    assert "registers jobber-run, which plugin.toml's commands does not list" in p["error"], p
