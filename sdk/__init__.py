@@ -31,6 +31,7 @@ from localm.kernel.host import Host
 from localm.kernel.hookspecs import hookimpl
 from localm.kernel.jobs import JobCancelled, JobContext
 from localm.kernel.logs import annotate
+from localm.kernel.models import ModelEntry, ModelFormat, ModelSource, model_id
 from localm.kernel.plugins import PluginContext
 from localm.kernel.routes.common import EventStream, sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
@@ -72,6 +73,8 @@ __all__ = [
     "JobContext", "JobCancelled",
     # host
     "Host", "PluginContext",
+    # models: the registry's entries, and the file formats and pull sources a plugin teaches it
+    "ModelEntry", "ModelFormat", "ModelSource", "model_id",
     # the running server, from a CLI command
     "connect", "server", "ServerClient", "ServerError",
 ]

@@ -138,3 +138,31 @@ def localm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     yield start
     for server in started:
         server.stop()
+
+
+def plugin_module(plugin: str, module: str = "") -> Any:
+    """A builtin plugin's package, or one of its modules, imported for a test by the name the
+    plugin host gives it (``localm_plugins.<id>``): ``plugin_module("remote", "remote_engine.source")``.
+    Nothing is activated; a module already imported (by an earlier call, or an in-process
+    server) is returned as it is."""
+    import importlib
+    import importlib.util
+    import types
+
+    from localm.kernel.plugins import PACKAGE_ROOT, builtin_root
+
+    root = builtin_root()
+    folder = root / plugin if root is not None else None
+    if folder is None or not (folder / "plugin.toml").is_file():
+        raise LookupError(f"No builtin plugin {plugin}")
+    if PACKAGE_ROOT not in sys.modules:
+        package = types.ModuleType(PACKAGE_ROOT)
+        package.__path__ = []  # type: ignore[attr-defined]
+        sys.modules[PACKAGE_ROOT] = package
+    name = f"{PACKAGE_ROOT}.{plugin}"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(folder)]  # type: ignore[attr-defined]
+        package.__package__ = name
+        sys.modules[name] = package
+    return importlib.import_module(f"{name}.{module}" if module else name)

@@ -128,7 +128,8 @@ def ask(text: str) -> list[dict[str, str]]:
 
 def test_a_remote_source_splits_into_upstream_model_and_key() -> None:
     from localm.kernel.errors import LocalmError
-    from localm.kernel.remote import parse_source
+    from localm.sdk.testing import plugin_module
+    parse_source = plugin_module("remote", "remote_engine.source").parse_source
     assert parse_source("openai+http://127.0.0.1:8000/v1#Qwen/Qwen2.5-7B") == (
         "http://127.0.0.1:8000/v1", "Qwen/Qwen2.5-7B", None)
     assert parse_source(f"openai+https://:{KEY}@gpu.example/v1/#m") == ("https://gpu.example/v1", "m", KEY)

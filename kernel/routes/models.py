@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 import attrs
@@ -12,6 +13,8 @@ from .. import limits
 from ..errors import LocalmError
 from ..routing import get, post
 from .common import json_body, kernel_of
+
+log = logging.getLogger("localm.models")
 
 
 ModelName = Annotated[str, Meta(max_length=limits.MODEL_NAME_CHARS, description="A registered model's name")]
@@ -84,13 +87,19 @@ async def list_models(request: Request) -> dict[str, Any]:
     if k.models.locked is not None:  # a locked model is the only one listed
         entries = [e for e in entries if e.id == k.models.locked]
     data = [_summary(k, e) for e in entries]
-    remote = {e.id: e.path for e in entries if e.type == "remote"}
-    if remote:  # a model another server runs: listed whether or not that server answers now
-        from ..remote import reachable
-        answers = await reachable(list(remote.values()))
+    by_source: dict[Any, list[Any]] = {}
+    for e in entries:  # a plugin's source may add fields (a remote model: whether its server answers now)
+        found = k.models.kinds.source(e.source)
+        if found is not None and found.describe is not None:
+            by_source.setdefault(found, []).append(e)
+    for found, mine in by_source.items():
+        try:
+            extra = await found.describe(mine)
+        except Exception:  # noqa: BLE001 - a listing never fails for one plugin's description
+            log.exception("the %s plugin could not describe its models", found.plugin)
+            continue
         for item in data:
-            if item["id"] in remote:
-                item["remote"] = {"upstream": remote[item["id"]], "reachable": answers[remote[item["id"]]]}
+            item.update(extra.get(item["id"], {}))
     return {"object": "list", "data": data}
 
 

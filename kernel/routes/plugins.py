@@ -105,13 +105,14 @@ async def install_external(request: Request) -> dict[str, Any]:
     if source is not None:
         source = _local_path(source)
     if content is not None or (isinstance(source, str) and Path(source).expanduser().is_file()):
-        found = k.plugins.read_functions(source, content=content, fid=fid)
-        names = k.plugins.install_functions(found, force=force)
+        found = k.plugins.read_installable(source, content=content, fid=fid)
+        names = k.plugins.install_generated(found, force=force)
         await k.plugins.sync()
         first = k.plugins.plugins[names[0]]
         return {"status": "installed", "name": names[0], "names": names,
                 "version": first.manifest.version if first.manifest else None,
-                "types": {n: k.plugins.plugins[n].manifest.type for n in names}}
+                "types": {n: k.plugins.plugins[n].manifest.type for n in names},
+                "what": {item.id: getattr(item, "what", "") for item in found}}
     if fid is not None:
         raise LocalmError(400, "id applies to an Open WebUI Function; a plugin folder names itself")
     manifest = k.plugins.install_external_files(source, force=force)

@@ -1374,4 +1374,4 @@ def register_engines(register, plugin):
             settings["cache_dir"] = str(plugin.data_dir / "prompt-cache" / name)
         return LlamaEngine(entry.path, settings, getattr(entry, "role", "chat"))
 
-    register("llamacpp", load)
+    register("llamacpp", load, formats=["gguf"])

@@ -792,4 +792,4 @@ def register_engines(register, plugin):
         return TransformersEngine(entry.path, entry.type, getattr(entry, "role", "chat"),
                                   {**plugin.settings, **options})
 
-    register("transformers", load)
+    register("transformers", load, formats=["hf"], fallback=["gguf"])

@@ -1,7 +1,7 @@
 """Open WebUI Functions, run unmodified.
 
 ``localm plugin install my_filter.py`` turns a Function file into a plugin of its own
-(see ``localm.kernel.functions``); this plugin runs them: it provides the ``openwebui``
+(see ``install.py``, this plugin's installer); this plugin runs them: it provides the ``openwebui``
 service their hooks call, the engine that answers their Pipes' models, and the routes for
 Actions and UserValves:
 
@@ -53,6 +53,12 @@ def register_engines(register: Any) -> None:
         return PipeEngine(current(), entry.provider, entry.id)
 
     register("openwebui", load)
+
+
+@sdk.hookimpl
+def register_installers(register: Any) -> None:
+    from . import install
+    register("function", install.read)
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:

@@ -687,3 +687,20 @@ def register_engines(register, plugin):
         return RemoteEngine(entry, {**plugin.settings, **options}, read_key(plugin.data_dir, entry.source))
 
     register("remote", load)
+
+
+@sdk.hookimpl
+def register_model_providers(register, plugin):
+    """``localm pull openai+http://[:KEY@]host:port/v1#model`` (and https): see source.py."""
+    from . import source
+
+    data_dir = plugin.data_dir
+
+    def pull(src: str, *, registry: Any, name: str | None = None, log: Any = lambda line: None) -> list[Any]:
+        return [source.pull_remote(registry, src, data_dir, name=name, log=log)]
+
+    def forget(entry: Any) -> None:  # the last model from that upstream left the registry: its key goes too
+        source.store_key(data_dir, entry.source, None)
+
+    for scheme in ("openai+http", "openai+https"):
+        register(scheme, pull, forget=forget, describe=source.describe)

@@ -78,7 +78,13 @@ def register_engines(register: Any, plugin: Any) -> None:
         from .engine import PiperEngine
         return PiperEngine(entry, {**plugin.settings, **options})
 
-    register("piper", load)
+    register("piper", load, formats=["piper"])
+
+
+@sdk.hookimpl
+def register_model_formats(register: Any) -> None:
+    from .model_format import PIPER
+    register(PIPER)
 
 
 @sdk.hookimpl

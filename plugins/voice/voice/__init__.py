@@ -91,7 +91,13 @@ def register_engines(register: Any, plugin: Any) -> None:
         from .engine import WhisperEngine
         return WhisperEngine(entry, {**plugin.settings, **options})
 
-    register("faster_whisper", load)
+    register("faster_whisper", load, formats=["ct2"])
+
+
+@sdk.hookimpl
+def register_model_formats(register: Any) -> None:
+    from .model_format import CT2
+    register(CT2)
 
 
 @sdk.hookimpl

@@ -1,4 +1,5 @@
-"""Remote models: a model another server answers, registered by ``localm pull``.
+"""The ``openai+http`` and ``openai+https`` pull sources: a model another server answers,
+registered by ``localm pull`` (``register_model_providers``).
 
 The source is ``openai+http://host:port/v1#model`` (or ``https``): an OpenAI-compatible
 server (vLLM, SGLang, llama.cpp's llama-server, llama-cpp-python's server) and the model id it
@@ -9,8 +10,8 @@ appears in the registry, the model's source or an error message.
 
 Pulling asks the upstream's ``/v1/models`` for the model and records what it reports: its context
 window (vLLM's and SGLang's ``max_model_len``, llama-server's ``/props`` window or
-``meta.n_ctx_train``), and which kind of server it is. The ``remote`` engine plugin serves the
-model. ``?tokenizer=NAME`` in the URL (a registered GGUF model, a .gguf file or a
+``meta.n_ctx_train``), and which kind of server it is. The ``remote`` engine (this plugin's
+``__init__``) serves the model. ``?tokenizer=NAME`` in the URL (a registered GGUF model, a .gguf file or a
 tokenizer.json) names a tokenizer on this machine that counts the model's tokens where the
 upstream has no tokenize endpoint.
 """
@@ -24,9 +25,11 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import LocalmError
+from localm import sdk
+from localm.sdk import LocalmError
 
-KEYS_FILE = ("plugin-data", "remote", "keys.json")
+#: The keys, by source, in this plugin's data folder (readable by the owner only).
+KEYS_FILE = "keys.json"
 
 
 def parse_source(source: str) -> tuple[str, str, str | None]:
@@ -73,14 +76,10 @@ def _tokenizer_path(registry: Any, name: str) -> str:
                       code="invalid_tokenizer")
 
 
-def keys_path(data_dir: Path) -> Path:
-    return Path(data_dir).joinpath(*KEYS_FILE)
-
-
 def store_key(data_dir: Path, model: str, key: str | None) -> None:
     """Keep (or, with None, forget) the key of a remote source (``openai+URL#model``, without the
-    key), in a file only the owner reads."""
-    path = keys_path(data_dir)
+    key), in a file only the owner reads. ``data_dir`` is this plugin's data folder."""
+    path = Path(data_dir) / KEYS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         keys = json.loads(path.read_text()) if path.exists() else {}
@@ -184,24 +183,22 @@ def probe(base: str, model: str, key: str | None, *, timeout: float = 10.0) -> d
                           code="upstream_error") from None
 
 
-def pull_remote(registry: Any, source: str, *, name: str | None = None,
+def pull_remote(registry: Any, source: str, data_dir: Path, *, name: str | None = None,
                 log: Callable[[str], None] = lambda s: None) -> Any:
-    """Register a remote model; its key (if any) is kept apart, owner-only."""
-    from .models import ModelEntry, model_id
-
+    """Register a remote model; its key (if any) is kept apart, owner-only, in ``data_dir``."""
     base, model, key = parse_source(source)
     named = tokenizer_of(source)
     tokenizer = _tokenizer_path(registry, named) if named else None  # refused before the upstream is asked
     log(f"Asking {base} about {model}")
     found = probe(base, model, key)
-    new_id = model_id(name, named=True) if name else model_id(model.rsplit("/", 1)[-1])
+    new_id = sdk.model_id(name, named=True) if name else sdk.model_id(model.rsplit("/", 1)[-1])
     caps = {"upstream": base, **found, **({"tokenizer": tokenizer} if tokenizer else {})}
-    entry = ModelEntry(id=new_id, path=base, source=f"openai+{base}#{model}", type="remote", role="chat",
+    entry = sdk.ModelEntry(id=new_id, path=base, source=f"openai+{base}#{model}", type="remote", role="chat",
                        capabilities=caps, created=time.time(), engine="remote")
     existing = registry.find(entry.id)
     replace = existing is not None and existing.type == "remote"
     added = registry.add(entry, replace=replace)
-    store_key(registry.file.path.parent, added.source, key)  # by source: a copy or a rename keeps it
+    store_key(data_dir, added.source, key)  # by source: a copy or a rename keeps it
     return added
 
 
@@ -232,3 +229,9 @@ async def reachable(bases: list[str], *, timeout: float = 1.0, fresh_for: float 
             _REACHABLE[base] = (time.monotonic(), ok)
             out[base] = ok
     return out
+
+
+async def describe(entries: list[Any]) -> dict[str, dict[str, Any]]:
+    """GET /v1/models: each remote model's upstream, and whether it answers now."""
+    answers = await reachable([e.path for e in entries])
+    return {e.id: {"remote": {"upstream": e.path, "reachable": answers[e.path]}} for e in entries}

@@ -10,8 +10,10 @@ A Function is one Python file holding ``class Pipe``, ``class Filter`` or ``clas
     <id>/entry.py        generated hooks that hand every call to the openwebui plugin
 
 An Open WebUI export (a JSON list of functions, each with ``id`` and ``content``) installs
-as one such folder per function. The openwebui plugin runs them (see docs/open-webui.md);
-this module only reads and writes files, so the CLI can install a Function with no server.
+as one such folder per function. The openwebui plugin registers this module's ``read`` as
+its installer (``register_installers``), and runs the Functions it installed (see
+docs/open-webui.md); this module only reads and writes files, so the CLI can install a
+Function with no server.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import attrs
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-from .errors import LocalmError
-from .manifest import PLUGIN_ID
+from localm.sdk import LocalmError
+
+#: A legal plugin id (plugin.toml's ``id``).
+PLUGIN_ID = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 #: The plugin that runs installed Functions.
 RUNTIME = "openwebui"
@@ -55,6 +59,19 @@ class Function:
     @property
     def title(self) -> str:
         return self.frontmatter.get("title") or self.id
+
+    # --- what the plugin host's installer protocol reads --------------------------------
+    @property
+    def what(self) -> str:
+        return f"an Open WebUI {self.kind}"
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The Valves an export stored: the installed plugin's first settings."""
+        return {k: v for k, v in (self.valves or {}).items() if v is not None}
+
+    def write(self, folder: Path) -> None:
+        write_folder(self, folder)
 
 
 def frontmatter(source: str) -> dict[str, str]:
@@ -267,3 +284,20 @@ def write_folder(fn: Function, folder: Path) -> None:
     (folder / "function.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     entry = ENTRY.format(kind=fn.kind) + "".join(HOOKS[h] for h in hooks_for(fn))
     (folder / "entry.py").write_text(entry, encoding="utf-8")
+
+
+def read(path: Path | None = None, content: str | None = None, fid: str | None = None) -> list[Function]:
+    """The installer (``register_installers``): the Functions a ``.py`` file, an export
+    (``.json``) or a source text holds."""
+    if content is not None:
+        if not isinstance(content, str) or not content.strip():
+            raise LocalmError(400, "content must be a Function's Python source")
+        if content.lstrip().startswith(("[", "{")):
+            if fid is not None:
+                raise LocalmError(400, "an export names its functions' ids itself: id applies to one source")
+            return read_export(content)
+        if fid is None:
+            raise LocalmError(400, "id is required with content: the plugin id to install the Function as")
+        return [read_function(content, fid=fid)]
+    assert path is not None
+    return read_file(path, fid)
