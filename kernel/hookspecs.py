@@ -42,6 +42,18 @@ def shutdown(host: Any, plugin: Any) -> Any:
     """
 
 
+@hookspec
+def create_service(host: Any, plugin: Any) -> Any:
+    """Make the plugin's service: the object that holds its state while it runs.
+
+    Called at activation, before ``startup``. The kernel calls the object's ``start()``
+    (when it has one; may be a coroutine function), keeps it as ``plugin.service`` (routes:
+    ``sdk.service_of(request)``), offers it to other plugins as ``host.service(<plugin
+    id>)``, and calls its ``stop()`` when the plugin stops, after ``shutdown``. Return None
+    for no service.
+    """
+
+
 # --- what a plugin contributes ----------------------------------------------------
 
 @hookspec

@@ -67,6 +67,9 @@ class ModelManager:
         self._reranker_turn = asyncio.Lock()
         #: A model locked (by the steering plugin) is the only one GET /v1/models lists.
         self.locked: str | None = None
+        #: Models a keep_alive gave a deadline: the time (epoch seconds) each is unloaded at, idle.
+        self._expiry: dict[str, float] = {}
+        self._background: set[asyncio.Task[Any]] = set()
 
     # --- names ----------------------------------------------------------------------
     def default_name(self) -> str:
@@ -199,6 +202,9 @@ class ModelManager:
         return out
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        self._expiry.clear()
         for resident in list(self.resident.values()):
             self.resident.pop(resident.entry.id, None)
             await asyncio.to_thread(resident.engine.close)
@@ -212,6 +218,67 @@ class ModelManager:
         if self.active == entry.id:
             self.active = new_id
         return {"status": "renamed", "model": entry.id, "new_name": new_id, "notes": []}
+
+    # --- residency: how long an idle model stays loaded -----------------------------------
+    async def keep_alive(self, name: str, seconds: float | None) -> None:
+        """Ollama's ``keep_alive``, for any surface: unload the model ``seconds`` after now once
+        no request uses it (a later call moves the deadline); negative or infinite: keep it
+        loaded until unloaded; 0: unload it now, or once its running requests end; None: leave it as it is
+        (a model stays loaded until unloaded)."""
+        if seconds is None:
+            return
+        entry = self.resolve(name)
+        if seconds < 0 or seconds == float("inf"):
+            self._expiry.pop(entry.id, None)
+            return
+        if seconds > 0:
+            deadline = time.time() + seconds
+            self._expiry[entry.id] = deadline
+            self._later(self._expire(entry.id, deadline))
+            return
+        self._expiry.pop(entry.id, None)
+        resident = self.resident.get(entry.id)
+        if resident is None:
+            return
+        if resident.in_flight:
+            self._later(self._unload_quietly(entry.id))
+        else:
+            await self._unload_quietly(entry.id)
+
+    def expires_at(self, name: str) -> float | None:
+        """When a loaded model is unloaded (epoch seconds); None: it stays loaded until unloaded."""
+        resident = self.resident.get(name)
+        deadline = self._expiry.get(name)
+        return deadline if resident is not None and deadline is not None and deadline >= resident.loaded_at else None
+
+    def _later(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _unload_quietly(self, model_id: str) -> None:
+        try:
+            out = await self.unload_one(model_id)
+        except LocalmError as exc:
+            log.info("keep_alive: %s not unloaded: %s", model_id, exc.detail)
+            return
+        if out.get("status") == "confirm_required":
+            log.info("keep_alive: %s", out.get("detail"))
+
+    async def _expire(self, model_id: str, deadline: float) -> None:
+        while self._expiry.get(model_id) == deadline:
+            await asyncio.sleep(max(0.0, deadline - time.time()))
+            if self._expiry.get(model_id) != deadline:
+                return  # a later request moved it
+            resident = self.resident.get(model_id)
+            if resident is None:
+                self._expiry.pop(model_id, None)
+                return
+            if resident.in_flight:  # in use: look again in a second
+                deadline = self._expiry[model_id] = time.time() + 1.0
+                continue
+            self._expiry.pop(model_id, None)
+            await self._unload_quietly(model_id)
 
     def _update_gauge(self) -> None:
         metrics = self._kernel.metrics

@@ -108,6 +108,8 @@ class Plugin:
     priority: int | None = None
     #: checks a whole block of setting values (PluginContext.add_settings(..., validate=))
     settings_validator: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    #: what its create_service hook made, while it is active (PluginContext.service)
+    service: Any = None
 
     @property
     def protected(self) -> bool:
@@ -160,6 +162,17 @@ class PluginContext:
         values to store, or raises ``LocalmError`` (or ``ValueError``, answered as a 400 with
         its message); it replaces any validator added before."""
         self._host.add_settings(self.name, settings, validate=validate)
+
+    @property
+    def service(self) -> Any:
+        """The object this plugin's ``create_service`` hook made, while the plugin is active
+        (a 503 ``service_unavailable`` otherwise): where its state lives, instead of module
+        globals. Routes reach it with ``sdk.service_of(request)``, other plugins with
+        ``host.service(<plugin id>)``."""
+        found = self._plugin.service
+        if found is None:
+            raise LocalmError(503, f"The {self.name} plugin is not running", code="service_unavailable")
+        return found
 
     def set_priority(self, priority: int | None) -> None:
         """Order this plugin's chat hooks by ``priority`` from now on (None: the manifest's)."""
@@ -521,6 +534,7 @@ class PluginHost:
             add_format, add_source = self.model_kinds_registrars(p, self.services.models.kinds)
             await self.call("register_model_formats", p, register=add_format)
             await self.call("register_model_providers", p, register=add_source)
+            await self._start_service(p)
             await self.call("startup", p)
         except Exception as exc:
             p.error = _error_text(exc)
@@ -531,6 +545,33 @@ class PluginHost:
         self._impl_version += 1
         self._check_commands(p)
         log.info("plugin %s %s active", p.name, p.manifest.version if p.manifest else "")
+
+    async def _start_service(self, p: Plugin) -> None:
+        """Make the plugin's service (``create_service``), start it and offer it to other
+        plugins under the plugin's id."""
+        made = [m for m in await self.call("create_service", p) if m is not None]
+        if not made:
+            return
+        service = made[0]
+        start = getattr(service, "start", None)
+        if callable(start):
+            value = start()
+            if inspect.isawaitable(value):
+                await value
+        p.service = service
+        self.services.provide(p.name, service, plugin=p.name)
+
+    async def _stop_service(self, p: Plugin) -> None:
+        service, p.service = p.service, None
+        stop = getattr(service, "stop", None)
+        if service is None or not callable(stop):
+            return
+        try:
+            value = stop()
+            if inspect.isawaitable(value):
+                await value
+        except Exception:
+            log.error("plugin %s: its service failed to stop cleanly:\n%s", p.name, traceback.format_exc())
 
     def _add_installer(self, p: Plugin, name: str, read: Callable[..., Any]) -> None:
         if name not in (p.manifest.installers if p.manifest else ()):
@@ -633,6 +674,7 @@ class PluginHost:
                 await self.call("shutdown", p)
             except Exception:
                 log.error("plugin %s failed to shut down cleanly:\n%s", p.name, traceback.format_exc())
+        await self._stop_service(p)  # also when its start failed after the service started
         p.active = False
         self._impl_version += 1
         if p.loaded and self.pm.has_plugin(p.name):

@@ -19,6 +19,8 @@ and never another plugin. They reach other plugins through host services
 
 from __future__ import annotations
 
+from typing import Any
+
 from litestar import Request, Response, Router
 from litestar.response import Stream
 from msgspec import Meta, Struct
@@ -54,11 +56,17 @@ def plugin_of(request: Request) -> PluginContext:
     return kernel.plugins.context(kernel.plugins.plugins[name])
 
 
+def service_of(request: Request) -> Any:
+    """The service of the plugin that owns this route (what its ``create_service`` hook made);
+    a 503 ``service_unavailable`` while the plugin is not running."""
+    return plugin_of(request).service
+
+
 __all__ = [
     "hookimpl",
     # routes
     "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "EventStream", "sse",
-    "caller", "Principal", "host_of", "plugin_of",
+    "caller", "Principal", "host_of", "plugin_of", "service_of",
     # the request log: what a request's line says beyond method, path, status and time
     "annotate",
     # request bodies for the OpenAPI document (body=, errors= on a route)

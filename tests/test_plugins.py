@@ -341,3 +341,61 @@ def test_a_command_the_manifest_does_not_list_is_named_in_the_plugins_error(serv
     p = state(owner, "quiet")
     assert p["active"], p  # it runs; only its command cannot be found
     assert "registers jobber-run, which plugin.toml's commands does not list" in p["error"], p
+
+
+COUNTER_PY = '''from localm import sdk
+
+
+class Counter:
+    def __init__(self, plugin):
+        self.file = plugin.data_dir / "count.txt"
+        self.count = 0
+
+    def start(self):
+        if self.file.exists():
+            self.count = int(self.file.read_text())
+
+    def stop(self):
+        self.file.write_text(str(self.count))
+
+
+@sdk.hookimpl
+def create_service(plugin):
+    return Counter(plugin)
+
+
+@sdk.hookimpl
+def register_routes(register):
+    register(next_number, read_other)
+
+
+@sdk.get("/api/counter/next")
+async def next_number(request: sdk.Request) -> dict:
+    counter = sdk.service_of(request)
+    counter.count += 1
+    return {"count": counter.count}
+
+
+@sdk.get("/api/counter/hooked")
+async def read_other(request: sdk.Request) -> dict:
+    host = sdk.host_of(request)
+    return {"same": host.service("counter") is sdk.plugin_of(request).service}
+'''
+
+
+def test_a_plugins_service_starts_serves_its_routes_and_stops(server: Any, tmp_path: Path) -> None:
+    """docs/plugins.md, "Where a plugin keeps its state": create_service's object is started,
+    reached from routes and other plugins, and stopped (its state kept) when the plugin stops."""
+    s = server()
+    owner = s.owner()
+    src = tmp_path / "counter"
+    src.mkdir()
+    (src / "plugin.toml").write_text('id = "counter"\nversion = "0.1.0"\nentry = "counter"\n')
+    (src / "counter.py").write_text(COUNTER_PY)
+    assert owner.post("/api/plugins/install-external", json={"source": str(src)}).status_code == 200
+    assert [owner.get("/api/counter/next").json()["count"] for _ in range(3)] == [1, 2, 3]
+    assert owner.get("/api/counter/hooked").json() == {"same": True}
+    assert owner.post("/api/plugins/counter/disable").status_code == 200
+    assert (s.data_dir / "plugin-data" / "counter" / "count.txt").read_text() == "3"  # stop() ran
+    assert owner.post("/api/plugins/counter/enable").status_code == 200
+    assert owner.get("/api/counter/next").json()["count"] == 4  # start() read it back

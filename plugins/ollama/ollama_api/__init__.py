@@ -117,60 +117,12 @@ def _later(coro: Any) -> None:
     task.add_done_callback(_background.discard)
 
 
-#: Models a keep_alive gave a deadline: the time (epoch seconds) each is unloaded at, idle.
-_expiry: dict[str, float] = {}
-
-
-def _keep(host: Any, entry: Any, keep: float | None) -> None:
-    """keep_alive N: the model is unloaded N seconds after this request (a later request moves
-    the deadline, as on Ollama); negative: kept loaded; absent: as it was (localm keeps a
-    model loaded until it is unloaded)."""
-    if keep is None or keep == 0:
-        return
-    if keep == translate.FOREVER:
-        _expiry.pop(entry.id, None)
-        return
-    deadline = time.time() + keep
-    _expiry[entry.id] = deadline
-    _later(_expire(host, entry.id, deadline))
-
-
-async def _expire(host: Any, model_id: str, deadline: float) -> None:
-    while _expiry.get(model_id) == deadline:
-        await asyncio.sleep(max(0.0, deadline - time.time()))
-        if _expiry.get(model_id) != deadline:
-            return  # a later request moved it
-        resident = host.models.resident.get(model_id)
-        if resident is None:
-            _expiry.pop(model_id, None)
-            return
-        if resident.in_flight:  # in use: look again in a second
-            deadline = _expiry[model_id] = time.time() + 1.0
-            continue
-        _expiry.pop(model_id, None)
-        await _unload(host, model_id)
-
-
-def expires_at(resident: Any) -> float | None:
-    """When a loaded model is unloaded (epoch seconds); None: it stays loaded."""
-    deadline = _expiry.get(resident.entry.id)
-    return deadline if deadline is not None and deadline >= resident.loaded_at else None
-
-
 async def _release(host: Any, entry: Any, keep: float | None) -> None:
-    """keep_alive 0: unload the model now, or once the other requests using it end; another
-    keep_alive sets when it is unloaded."""
-    if keep != 0:
-        _keep(host, entry, keep)
-        return
-    _expiry.pop(entry.id, None)
-    resident = host.models.resident.get(entry.id)
-    if resident is None:
-        return
-    if resident.in_flight:
-        _later(_unload(host, entry.id))
-    else:
-        await _unload(host, entry.id)
+    """keep_alive N: the model is unloaded N seconds after this request, once idle (a later
+    request moves the deadline, as on Ollama); 0: now, or once the other requests using it
+    end; negative: kept loaded; absent: as it was (localm keeps a model loaded until it is
+    unloaded). The model manager keeps the timers."""
+    await host.models.keep_alive(entry.id, keep)
 
 
 async def _load_form(host: Any, entry: Any, name: str, keep: float | None, stream: bool, kind: str) -> Any:
@@ -181,7 +133,7 @@ async def _load_form(host: Any, entry: Any, name: str, keep: float | None, strea
         reason = "unload"
     else:
         await _ensure_loaded(host, entry)
-        _keep(host, entry, keep)
+        await host.models.keep_alive(entry.id, keep)
         reason = "load"
     obj: dict[str, Any] = {"model": name, "created_at": info.rfc3339()}
     if kind == "chat":
@@ -453,7 +405,8 @@ async def tags_route(request: sdk.Request) -> dict[str, Any]:
          summary="Ollama: the loaded models")
 async def ps_route(request: sdk.Request) -> dict[str, Any]:
     host = sdk.host_of(request)
-    return {"models": [info.process(r, expires_at(r)) for r in list(host.models.resident.values())]}
+    return {"models": [info.process(r, host.models.expires_at(r.entry.id))
+                       for r in list(host.models.resident.values())]}
 
 
 @sdk.post("/api/show", scope="models:read", access="open_read", error_family="ollama",
