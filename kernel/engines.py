@@ -41,9 +41,12 @@ An engine whose capabilities say ``messages`` answers whole chat requests: its
 context) instead of a token prompt, and its Token events carry text with ``id`` -1. Its
 Finished event's token counts are what it knows of them (0 when nothing counted them).
 
-A model registered as a reranker is loaded as a cross-encoder: its engine says
-``capabilities.rerank`` and scores (query, document) pairs with ``rerank`` (see
-:class:`Engine` and :class:`Ranked`); it does not generate.
+Each model role has a protocol of its own, so an engine implements only what its models
+do: :class:`ChatEngine` (``Engine``, the name engines were first written against) for chat
+models, :class:`EmbeddingEngine`, :class:`RerankEngine` (a cross-encoder: its engine says
+``capabilities.rerank`` and scores (query, document) pairs, see :class:`Ranked`),
+:class:`SpeechToTextEngine` and :class:`TextToSpeechEngine`. Surfaces check a model's role
+before they use its engine, so a speech engine never meets a chat request.
 """
 
 from __future__ import annotations
@@ -324,23 +327,24 @@ class Ranked:
 
 
 @runtime_checkable
-class Engine(Protocol):
-    """A loaded model. Methods that compute run off the event loop.
+class LoadedModel(Protocol):
+    """What every loaded model provides, whatever its role."""
 
-    A reranker engine (``capabilities.rerank``) also provides, outside this protocol::
-
-        async def rerank(self, query: str, documents: list[str]) -> list[Ranked]
-
-    one :class:`Ranked` per document, in the documents' order. Each (query, document) pair
-    is scored in a forward pass of its own, so a score never depends on the other
-    documents; a document too long for the window is cut (``truncated``), and a query that
-    leaves no room for a document is refused with ``LocalmError(400, ...,
-    code="query_too_long")``. It runs in turn with the engine's other work and is never
-    steered.
-    """
-
-    engine: str  # the engine's name ("llamacpp", "transformers")
+    engine: str  # the engine's name ("llamacpp", "transformers", "piper")
     capabilities: Capabilities
+
+    @property
+    def busy(self) -> int:
+        """Requests running or waiting on this engine."""
+
+    def close(self) -> None:
+        """Free the model's memory; no call follows."""
+
+
+@runtime_checkable
+class ChatEngine(LoadedModel, Protocol):
+    """A model that generates (role ``chat``; an embedding model loaded by a token engine
+    provides these too). Methods that compute run off the event loop."""
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special`` adds the model's BOS when it uses one."""
@@ -377,12 +381,53 @@ class Engine(Protocol):
         opens a stream (the first call builds the tokenizer's llguidance form: a fraction of a
         second). ``generate`` refuses such a grammar in-band (``Finished(reason="error")``)."""
 
-    @property
-    def busy(self) -> int:
-        """Requests running or waiting on this engine."""
 
-    def close(self) -> None:
-        """Free the model's memory; no call follows."""
+#: The name engines were written against before roles had protocols of their own.
+Engine = ChatEngine
+
+
+@runtime_checkable
+class EmbeddingEngine(LoadedModel, Protocol):
+    """A model that embeds (role ``embedding``)."""
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]: ...
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        """One vector per text, pooled and normalised; never steered."""
+
+
+@runtime_checkable
+class RerankEngine(LoadedModel, Protocol):
+    """A cross-encoder (role ``reranker``; ``capabilities.rerank``)."""
+
+    async def rerank(self, query: str, documents: list[str]) -> list[Ranked]:
+        """One :class:`Ranked` per document, in the documents' order. Each (query, document)
+        pair is scored in a forward pass of its own, so a score never depends on the other
+        documents; a document too long for the window is cut (``truncated``), and a query that
+        leaves no room for a document is refused with ``LocalmError(400, ...,
+        code="query_too_long")``. It runs in turn with the engine's other work and is never
+        steered."""
+
+
+@runtime_checkable
+class SpeechToTextEngine(LoadedModel, Protocol):
+    """A model that transcribes (role ``stt``): ``transcribe(data, options)``, whose options
+    and result belong to the plugin that serves the transcription route."""
+
+    async def transcribe(self, data: bytes, options: Any) -> Any: ...
+
+
+@runtime_checkable
+class TextToSpeechEngine(LoadedModel, Protocol):
+    """A model that speaks (role ``tts``): ``speak(speech, emit)``, whose request and sample
+    callback belong to the plugin that serves the speech route."""
+
+    async def speak(self, speech: Any, emit: Callable[..., None]) -> int: ...
+
+
+#: Which protocol a model of each role is loaded as.
+PROTOCOL_FOR_ROLE: dict[str, type] = {"chat": ChatEngine, "embedding": EmbeddingEngine, "reranker": RerankEngine,
+                                      "stt": SpeechToTextEngine, "tts": TextToSpeechEngine}
 
 
 class EngineError(Exception):

@@ -455,6 +455,22 @@ def test_the_models_are_registered_loaded_and_unloaded_like_any_other(srv: Local
     assert chat.status_code == 400 and "speech-to-text" in chat.json()["detail"]
 
 
+@pytest.mark.parametrize("model, what", [(STT, "a speech-to-text model"), (TTS, "a text-to-speech voice")])
+def test_a_speech_model_is_refused_for_text_work_before_it_loads(srv: LocalmServer, model: str, what: str) -> None:
+    """A speech engine implements its role's protocol alone (no stubs refusing the rest): the
+    surfaces check the model's role before they use its engine."""
+    owner = srv.owner()
+    owner.post("/v1/models/unload", params={"model": model})
+    chat = owner.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and chat.json()["code"] == "not_a_chat_model" and what in chat.json()["detail"]
+    embed = owner.post("/v1/embeddings", json={"model": model, "input": "hi"})
+    assert embed.status_code == 422 and embed.json()["code"] == "not_an_embedding_model", embed.text
+    assert what in embed.json()["detail"]
+    scored = owner.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1, "logprobs": 1})
+    assert scored.status_code == 400 and scored.json()["code"] == "not_a_chat_model", scored.text
+    assert owner.get(f"/v1/models/{model}").json()["loaded"] is False
+
+
 def test_a_client_that_leaves_cancels_its_queued_transcription_and_chat_goes_on(
         srv: LocalmServer, fox: bytes) -> None:
     rate, _, _, samples = read_wav(fox)

@@ -359,6 +359,18 @@ class ChatService:
         return attrs.evolve(common, sampling=attrs.evolve(common.sampling, max_tokens=cap))
 
     @staticmethod
+    def check_embedding_model(entry: Any) -> None:
+        """A 422 ``not_an_embedding_model`` for a model that embeds nothing (a reranker, a speech
+        model); a surface calls it before loading the model for embeddings."""
+        if entry.role == "reranker":
+            raise sdk.LocalmError(422, f"{entry.id} is a reranker: it scores documents against a query "
+                                       "(use /v1/rerank) and embeds nothing", code="not_an_embedding_model")
+        if entry.role in ("stt", "tts"):
+            what, does = _NOT_CHAT[entry.role]
+            raise sdk.LocalmError(422, f"model {entry.id} is {what}: it {does} and embeds nothing",
+                                  code="not_an_embedding_model")
+
+    @staticmethod
     def check_chat_model(entry: Any) -> None:
         """A 400 ``not_a_chat_model`` for a registered model that does not chat (an embedding
         model, a reranker, a speech model), naming what it is and the route that serves it; a
@@ -471,9 +483,7 @@ class ChatService:
             raise sdk.LocalmError(400, f"{where}: each input must be a non-empty string", code="empty_input",
                                   field="input")
         entry = self.host.models.resolve(model)
-        if entry.role == "reranker":
-            raise sdk.LocalmError(422, f"{entry.id} is a reranker: it scores documents against a query "
-                                       "(use /v1/rerank) and embeds nothing", code="not_an_embedding_model")
+        self.check_embedding_model(entry)
         async with self.host.models.use(entry.id) as resident:
             vectors = await resident.engine.embed(texts)
             tokens = sum(len(resident.engine.tokenize(t)) for t in texts)

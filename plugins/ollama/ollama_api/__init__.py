@@ -334,6 +334,7 @@ async def _embed(request: sdk.Request, legacy: bool) -> tuple[Any, dict[str, Any
     body = await _body(request)
     name = _model_name(body)
     entry = resolve(host, name)
+    host.service("chat").check_embedding_model(entry)  # a speech model or a reranker: refused, not loaded
     keep = translate.keep_alive(body.get("keep_alive"))
     ignored: list[str] = []
     if legacy:

@@ -75,7 +75,7 @@ def seeded(voice: Any, path: str, seed: int) -> Any:
 
 
 class PiperEngine:
-    """A loaded Piper voice. It speaks; asked to chat, it refuses."""
+    """A loaded Piper voice (an sdk.engines.TextToSpeechEngine): it speaks, and does nothing else."""
 
     engine = "piper"
 
@@ -153,25 +153,6 @@ class PiperEngine:
         except asyncio.CancelledError:
             cancelled.set()
             raise
-
-    # --- not a chat model --------------------------------------------------------------
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise sdk.LocalmError(400, f"{self.id} is a text-to-speech voice: it speaks at /v1/audio/speech and does "
-                                   "not chat", code="not_a_chat_model")
-
-    tokenize = detokenize = render_chat = token_bytes = check_constraint = _refuse
-
-    def generate(self, request: Any) -> Any:
-        self._refuse()
-
-    async def embed(self, texts: list[str]) -> list[list[float]]:
-        self._refuse()
-
-    async def next_token_logprobs(self, prompt: Any) -> list[float]:
-        self._refuse()
-
-    async def next_token_logits(self, prompt: Any) -> Any:
-        self._refuse()
 
     def close(self) -> None:
         self._serial.close()

@@ -126,7 +126,7 @@ def run(model: Any, audio: Any, options: Options, cancelled: threading.Event | N
 
 
 class WhisperEngine:
-    """A loaded Whisper model. It transcribes; asked to chat, it refuses."""
+    """A loaded Whisper model (an sdk.engines.SpeechToTextEngine): it transcribes, and does nothing else."""
 
     engine = "faster_whisper"
 
@@ -164,25 +164,6 @@ class WhisperEngine:
         except asyncio.CancelledError:
             cancelled.set()
             raise
-
-    # --- not a chat model --------------------------------------------------------------
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise sdk.LocalmError(400, f"{self.id} is a speech-to-text model: it transcribes audio at "
-                                   "/v1/audio/transcriptions and does not chat", code="not_a_chat_model")
-
-    tokenize = detokenize = render_chat = token_bytes = check_constraint = _refuse
-
-    def generate(self, request: Any) -> Any:
-        self._refuse()
-
-    async def embed(self, texts: list[str]) -> list[list[float]]:
-        self._refuse()
-
-    async def next_token_logprobs(self, prompt: Any) -> list[float]:
-        self._refuse()
-
-    async def next_token_logits(self, prompt: Any) -> Any:
-        self._refuse()
 
     def close(self) -> None:
         self._serial.close()
