@@ -425,11 +425,6 @@ class TextToSpeechEngine(LoadedModel, Protocol):
     async def speak(self, speech: Any, emit: Callable[..., None]) -> int: ...
 
 
-#: Which protocol a model of each role is loaded as.
-PROTOCOL_FOR_ROLE: dict[str, type] = {"chat": ChatEngine, "embedding": EmbeddingEngine, "reranker": RerankEngine,
-                                      "stt": SpeechToTextEngine, "tts": TextToSpeechEngine}
-
-
 class EngineError(Exception):
     """A model that cannot be loaded or run; the message never names absolute paths.
 

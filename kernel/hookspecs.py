@@ -189,6 +189,17 @@ def chat_stream(event: Any, context: Any, plugin: Any, host: Any) -> Any:
 
 
 @hookspec
+def chat_stream_end(context: Any, plugin: Any, host: Any) -> Any:
+    """Called once when a streamed reply's last event has passed the chat_stream hooks,
+    before chat_outlet (not when the generation failed or the client left): the place to
+    send text a stream hook held back (a word cut at a chunk's end, a pattern not yet
+    complete). Return None, an event, or a list of events (as chat_stream's); they pass
+    through the chat_stream hooks of the plugins after this one, in order, and are sent
+    before the outlet hooks see the whole message. May be a coroutine function.
+    """
+
+
+@hookspec
 def chat_outlet(response: Any, context: Any, plugin: Any, host: Any) -> Any:
     """Called once a reply has been generated, streamed or not, with the whole assistant
     message (``role``, ``content``, and ``reasoning_content``/``tool_calls`` when present).

@@ -15,6 +15,7 @@ pip_env = {}                 # environment for building them (e.g. CMAKE_ARGS); 
 protected = false            # true: cannot be disabled or uninstalled
 ships_disabled = false       # true: installed but off until enabled
 priority = 0                 # order among plugins implementing the same chat hook: lower runs first
+hook_priority = {}           # per hook, in place of priority: {chat_stream = 100} runs its stream hook late
 commands = ["hello"]         # CLI command names it adds (`localm hello ...`)
 model_formats = []           # model file formats it teaches the registry (register_model_formats)
 model_sources = []           # pull source schemes it serves, e.g. "openai+http" (register_model_providers)
@@ -96,6 +97,19 @@ def _check_priority(inst: Any, att: attrs.Attribute, value: int) -> None:
         raise _FieldError(att.name, f"{value} is out of range (an integer from -1000 to 1000)")
 
 
+#: The hooks whose implementations run in order (the only ones a priority orders).
+ORDERED_HOOKS = ("chat_inlet", "chat_stream", "chat_stream_end", "chat_outlet", "forward_interventions",
+                 "activation_readers")
+
+
+def _check_hook_priority(inst: Any, att: attrs.Attribute, value: dict[str, int]) -> None:
+    for hook, priority in value.items():
+        if hook not in ORDERED_HOOKS:
+            raise _FieldError(att.name, f"{hook!r} is not a hook run in order ({', '.join(ORDERED_HOOKS)})")
+        if not -1000 <= priority <= 1000:
+            raise _FieldError(att.name, f"{hook}: {priority} is out of range (an integer from -1000 to 1000)")
+
+
 def _check_requirements(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> None:
     for v in value:
         try:
@@ -118,6 +132,9 @@ class Manifest:
     protected: bool = False
     ships_disabled: bool = False
     priority: int = attrs.field(default=0, validator=_check_priority)
+    #: per hook, in place of ``priority`` (an inlet that must run first and a stream hook
+    #: that must run last, in one plugin)
+    hook_priority: dict[str, int] = attrs.field(factory=dict, validator=_check_hook_priority)
     commands: tuple[str, ...] = ()
     #: the model file formats (entry types) and pull source schemes it registers: the CLI
     #: imports the plugin for ``localm pull`` / ``localm rm`` only when it lists one
@@ -159,6 +176,14 @@ def _converter() -> cattrs.Converter:
         return dict(v)
 
     conv.register_structure_hook_func(lambda t: t == dict[str, str], _env)
+
+    def _ints(v: Any, _: Any) -> dict[str, int]:
+        if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, int) and not isinstance(x, bool)
+                                              for k, x in v.items()):
+            raise ValueError("expected a table of integers")
+        return dict(v)
+
+    conv.register_structure_hook_func(lambda t: t == dict[str, int], _ints)
     return conv
 
 

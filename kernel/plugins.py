@@ -199,7 +199,10 @@ class HookImpl:
         self._host = host
         self.plugin = p.name
         self.context = host.context(p)
-        self.priority = p.priority if p.priority is not None else (p.manifest.priority if p.manifest else 0)
+        if p.priority is not None:  # set at run time: every hook of the plugin
+            self.priority = p.priority
+        else:
+            self.priority = p.manifest.hook_priority.get(hook, p.manifest.priority) if p.manifest else 0
         self.hook = hook
         self.function = function
         self.argnames = argnames

@@ -172,6 +172,7 @@ class Chain:
 
         self.inlets = bind("chat_inlet")
         self.streams = bind("chat_stream")
+        self.stream_ends = bind("chat_stream_end")
         self.outlets = bind("chat_outlet")
 
     @property
@@ -227,6 +228,43 @@ class Chain:
                 return []
         return [to_item(e) for e in events]
 
+    async def stream_end(self) -> list[Any]:
+        """A streamed reply ended: each chat_stream_end hook may send what it held back. What
+        one returns passes through the chat_stream hooks of the plugins after it, in order;
+        the items to send last."""
+        out: list[Any] = []
+        for impl, context in self.stream_ends:
+            result = await impl(context=context)
+            if result is None:
+                continue
+            if isinstance(result, dict):
+                result = [result]
+            if not isinstance(result, list):
+                raise _refused(impl, f"chat_stream_end returned {_describe(result)}; it returns a list of events, "
+                                     "one event or None")
+            events = [_checked(impl, e, "chat_stream_end") for e in result]
+            mine = (impl.priority, impl.plugin)
+            for later, view in self.streams:
+                if not events:
+                    break
+                if (later.priority, later.plugin) <= mine:
+                    continue
+                passed: list[dict[str, Any]] = []
+                for event in events:
+                    got = await later(event=event, context=view)
+                    if got is None:
+                        passed.append(event)
+                    elif isinstance(got, dict):
+                        passed.append(_checked(later, got))
+                    elif isinstance(got, list):
+                        passed.extend(_checked(later, e) for e in got)
+                    else:
+                        raise _refused(later, f"chat_stream returned {_describe(got)}; it returns a dict, a list "
+                                              "of dicts or None")
+                events = passed
+            out.extend(to_item(e) for e in events)
+        return out
+
     # --- outlet -----------------------------------------------------------------------
     async def outlet(self, message: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Run the outlet hooks on a finished reply's message; returns the message they leave
@@ -272,14 +310,14 @@ def to_item(event: dict[str, Any]) -> Any:
     return pipeline.Status(event["code"], event["text"])
 
 
-def _checked(impl: Any, event: Any) -> dict[str, Any]:
+def _checked(impl: Any, event: Any, hook: str = "chat_stream") -> dict[str, Any]:
     if not isinstance(event, dict) or event.get("type") not in _EVENT_TYPES:
-        raise _refused(impl, f"chat_stream returned an event that is not one of "
+        raise _refused(impl, f"{hook} returned an event that is not one of "
                              f"{', '.join(_EVENT_TYPES)}: {_describe(event)}")
     for key in _EVENT_TYPES[event["type"]]:
         wanted = dict if key == "call" else str
         if not isinstance(event.get(key), wanted):
-            raise _refused(impl, f"chat_stream returned a {event['type']} event whose {key} is not a "
+            raise _refused(impl, f"{hook} returned a {event['type']} event whose {key} is not a "
                                  f"{wanted.__name__}")
     return event
 

@@ -201,16 +201,17 @@ class Generation:
         calls: list[dict[str, Any]] = []
         through = chain.stream if chain.streams else None
 
+        def said(one: Any) -> Any:
+            if isinstance(one, pipeline.Piece):
+                said_text.append(one.text)
+            elif isinstance(one, pipeline.Reasoning):
+                said_reasoning.append(one.text)
+            elif isinstance(one, pipeline.Call):
+                calls.append(one.call)
+            return one
+
         async def sent(item: Any) -> list[Any]:
-            out = await through(item) if through is not None else [item]
-            for one in out:
-                if isinstance(one, pipeline.Piece):
-                    said_text.append(one.text)
-                elif isinstance(one, pipeline.Reasoning):
-                    said_reasoning.append(one.text)
-                elif isinstance(one, pipeline.Call):
-                    calls.append(one.call)
-            return out
+            return [said(one) for one in (await through(item) if through is not None else [item])]
 
         for status in chain.statuses():
             for out in await sent(status):
@@ -223,6 +224,12 @@ class Generation:
                     for out in await sent(status):
                         yield out
         if self.outcome.finish_reason != "error":
+            if chain.stream_ends:  # what stream hooks held back, through the later plugins' stream hooks
+                for item in await chain.stream_end():
+                    yield said(item)
+                for status in chain.statuses():
+                    for out in await sent(status):
+                        yield out
             text, reasoning = "".join(said_text), "".join(said_reasoning)
             message, _ = await chain.outlet(_message(text, reasoning, calls))
             for status in chain.statuses():
