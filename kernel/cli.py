@@ -2,7 +2,8 @@
 
 Every command except ``serve`` talks to the server running on the data dir when there
 is one (so a change takes effect at once) and works on the data dir directly when
-there is none; ``localm run`` starts a server in the background when none runs. Long
+there is none. Plugins add commands (``LocalmGroup``); one may start a server in the
+background when none runs (:func:`.client.ensure_server`). Long
 work shows a progress bar on a terminal and plain lines otherwise (:mod:`.progress`).
 docs/cli.md describes every command.
 """
@@ -901,7 +902,7 @@ def models_rename(obj: Ctx, name: str, new_name: str) -> None:
     run(body)
 
 
-def _complete_models(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+def complete_models(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
     """Registered model ids and aliases, for shell completion."""
     from .models import Registry
     try:
@@ -912,8 +913,22 @@ def _complete_models(ctx: click.Context, param: click.Parameter, incomplete: str
     return [CompletionItem(n) for n in names if n.startswith(incomplete)]
 
 
+def model_known(model: str | None, data_dir: Path) -> bool:
+    """Whether asking for ``model`` may start a server on ``data_dir``: the registry holds it, or
+    it is None (the server's active model) or the default model (a first ``localm serve``
+    registers it), or the registry cannot be read (the server reports that)."""
+    from .models import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE, Registry
+
+    if model is None or model in ("localm", DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE[5:]):
+        return True
+    try:
+        return Registry(data_dir).find(model) is not None
+    except LocalmError:  # an unreadable registry: the server reports it
+        return True
+
+
 @main.command("cp")
-@click.argument("source", shell_complete=_complete_models)
+@click.argument("source", shell_complete=complete_models)
 @click.argument("destination")
 @click.pass_obj
 def models_copy(obj: Ctx, source: str, destination: str) -> None:
@@ -975,7 +990,7 @@ def ps(obj: Ctx, as_json: bool) -> None:
 
 
 @main.command("stop")
-@click.argument("model", shell_complete=_complete_models)
+@click.argument("model", shell_complete=complete_models)
 @click.pass_obj
 def stop(obj: Ctx, model: str) -> None:
     """Unload MODEL from the running server (once its requests finish)."""
@@ -983,7 +998,8 @@ def stop(obj: Ctx, model: str) -> None:
 
     def body() -> None:
         if not obj.server:
-            _check_model(obj, model)
+            if not model_known(model, obj.data_dir):
+                raise LocalmError(404, f"Model not found: {model} (`localm models` lists the registered ones)")
             click.echo(f"No localm server is running on {obj.data_dir}: {model} is not loaded.")
             return
         entry = Registry(obj.data_dir).get(model)
@@ -995,7 +1011,7 @@ def stop(obj: Ctx, model: str) -> None:
 
 
 @main.command("show")
-@click.argument("model", shell_complete=_complete_models)
+@click.argument("model", shell_complete=complete_models)
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 @click.option("--template", "part", flag_value="template", help="Print only the chat template.")
 @click.option("--parameters", "part", flag_value="parameters", help="Print only the default parameters.")
@@ -1043,90 +1059,6 @@ def show(obj: Ctx, model: str, as_json: bool, part: str | None) -> None:
             for key, value in items:
                 click.echo(f"  {key:<18} {value}".rstrip())
     run(body)
-
-
-# --- talking to a model ---------------------------------------------------------------------
-
-@main.command("run")
-@click.argument("model", required=False, shell_complete=_complete_models)
-@click.argument("prompt", nargs=-1)
-@click.option("-s", "--system", help="A system message.")
-@click.option("-p", "--parameter", "parameters", type=(str, str), multiple=True, metavar="NAME VALUE",
-              help="A sampling parameter, as /set parameter takes it: temperature 0.2, seed 7, max_tokens 64, "
-                   "stop '###'... (repeat for several).")
-@click.option("--format", "format_", type=click.Choice(["json"]), help="Answer with a JSON object.")
-@click.option("--think/--no-think", default=None,
-              help="Ask a reasoning model to think before answering, or not (default: the model's own).")
-@click.option("--hide-thinking", is_flag=True, help="Do not show a reasoning model's thinking.")
-@click.option("--verbose", is_flag=True, help="After each answer, show token counts and speed.")
-@click.option("--key", envvar="LOCALM_API_KEY", metavar="KEY", help="The API key to call the server with "
-              "(default: $LOCALM_API_KEY, else the running server's own token, as the owner).")
-@click.pass_obj
-def run_model(obj: Ctx, model: str | None, prompt: tuple[str, ...], system: str | None,
-              parameters: tuple[tuple[str, str], ...], format_: str | None, think: bool | None,
-              hide_thinking: bool, verbose: bool, key: str | None) -> None:
-    """Talk to MODEL (default: the active model). With PROMPT, or with text piped in, print
-    the answer and exit; otherwise chat interactively (/? for help)."""
-    from .cli_run import MAX_STOPS, Chat, Connection, Repl, ensure_server, parse_parameter, stdin_text
-
-    def body() -> None:
-        chosen: dict[str, Any] = {}
-        for name, value in parameters:
-            field, parsed = parse_parameter(name, value)
-            if field == "stop":
-                chosen["stop"] = [*chosen.get("stop", []), parsed]
-                if len(chosen["stop"]) > MAX_STOPS:
-                    raise LocalmError(400, f"At most {MAX_STOPS} stop sequences")
-            else:
-                chosen[field] = parsed
-        extra: dict[str, Any] = {}
-        if format_ == "json":
-            extra["response_format"] = {"type": "json_object"}
-        if think is not None:
-            extra["chat_template_kwargs"] = {"enable_thinking": think}
-        _check_model(obj, model)
-        piped = stdin_text()
-        words = " ".join(prompt)
-        text = "\n\n".join(part for part in ((piped or "").strip(), words) if part)
-        interactive = not prompt and piped is None
-        if interactive and not sys.stdin.isatty():
-            raise LocalmError(400, "Nothing to ask: give a PROMPT or pipe text in "
-                                   "(the interactive chat needs a terminal)")
-        if not interactive and not text.strip():
-            raise LocalmError(400, "Nothing to ask: the prompt is empty")
-        server, started = ensure_server(obj.data_dir)
-        if started:
-            click.echo(started, err=True)
-        chat = Chat(Connection(server, key), obj.data_dir, None, system=system, parameters=chosen, extra=extra,
-                    verbose=verbose, show_reasoning=not hide_thinking)
-        chat.model = chat.resolve_model(model)
-        if interactive:
-            sys.exit(Repl(chat).run())
-        if chat.ask(text).interrupted:
-            sys.exit(130)
-
-    try:
-        run(body)
-    except KeyboardInterrupt:  # before the answer streams (a server starting, a model loading)
-        click.echo(err=True)
-        sys.exit(130)
-
-
-def _check_model(obj: Ctx, model: str | None) -> None:
-    """Refuse a model the registry does not hold before any server starts for it (the default
-    model counts: a first ``localm serve`` registers it)."""
-    from .models import DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE, Registry
-
-    if model is None or model in ("localm", DEFAULT_MODEL_ID, DEFAULT_MODEL_SOURCE[5:]):
-        return
-    try:
-        found = Registry(obj.data_dir).find(model)
-    except LocalmError:  # an unreadable registry: the server reports it
-        return
-    if found is None:
-        hint = (" (localm run MODEL PROMPT: the model comes first; `localm models` lists them)" if " " in model
-                else " (`localm models` lists the registered ones)")
-        raise LocalmError(404, f"Model not found: {model}{hint}")
 
 
 @main.command("completion")

@@ -3,7 +3,9 @@
 
 ``server.json`` (mode 0600) holds ``pid``, ``host``, ``port``, ``url``, ``token`` (the
 server's attach token: the owner's credential from loopback), ``version`` and ``started``
-(epoch seconds). A plugin's command gets a client with ``localm.sdk.connect()``.
+(epoch seconds). A plugin's command gets a client with ``localm.sdk.connect()``, or with
+``localm.sdk.cli.ensure_server()``, which starts ``localm serve`` in the background when
+none runs.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,6 +25,9 @@ import httpx
 
 from .datadir import default_data_dir, server_file
 from .errors import LocalmError
+
+#: Seconds a background ``localm serve`` (:func:`ensure_server`) may take to answer.
+START_TIMEOUT = 120.0
 
 
 class ServerError(LocalmError):
@@ -84,6 +92,12 @@ def _folder(data_dir: str | Path | None) -> Path:
     return Path(data_dir) if data_dir is not None else default_data_dir()
 
 
+def command_data_dir(data_dir: str | Path | None = None) -> Path:
+    """``data_dir`` when given, else the data directory the ``localm`` command was given
+    (``--data-dir``, else ``LOCALM_HOME``, else ``~/.localm``)."""
+    return _folder(data_dir)
+
+
 def connect(data_dir: str | Path | None = None) -> ServerClient:
     """The server running on ``data_dir``, for a command to call. By default the data directory
     the ``localm`` command was given (``--data-dir``, else ``LOCALM_HOME``, else ``~/.localm``).
@@ -133,3 +147,41 @@ def server(data_dir: str | Path | None = None, *, timeout: float = 120.0) -> Ite
         running.should_exit = True
         thread.join(60)
         sock.close()
+
+
+def ensure_server(data_dir: str | Path | None = None, *,
+                  timeout: float | None = None) -> tuple[ServerClient, str | None]:
+    """The server running on ``data_dir`` (by default the ``localm`` command's, as for
+    :func:`connect`), or one started now as a background ``localm serve`` that outlives the
+    command, with a line that says so for the caller to print (None when one was running).
+    Its output goes to ``<data dir>/serve.log``; a ``server_failed`` LocalmError when it exits
+    or does not answer within ``timeout`` seconds (default :data:`START_TIMEOUT`)."""
+    data_dir = _folder(data_dir)
+    timeout = START_TIMEOUT if timeout is None else timeout
+    found = ServerClient.find(data_dir)
+    if found is not None:
+        return found, None
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / "serve.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "localm.kernel", "--data-dir", str(data_dir), "serve"],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            raise LocalmError(500, f"localm serve could not start (exit status {proc.returncode}): "
+                                   + " / ".join(tail), code="server_failed")
+        try:
+            pid = json.loads(server_file(data_dir).read_text()).get("pid")
+        except (OSError, ValueError):
+            pid = None
+        if pid == proc.pid:
+            found = ServerClient.find(data_dir)
+            if found is not None:
+                return found, (f"Started `localm serve` in the background on {found.url} (pid {proc.pid}; "
+                               f"log: {log_path}; stop it with `kill {proc.pid}`).")
+        time.sleep(0.1)
+    raise LocalmError(504, f"localm serve did not answer within {timeout:.0f} s; see {log_path}",
+                      code="server_failed")

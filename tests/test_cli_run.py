@@ -1,6 +1,7 @@
 """``localm run``: the interactive chat driven through a pseudo-terminal, as a person types it;
 one-shot answers with a prompt or piped text; reasoning shown dimmed; a background server
-when none runs; the caller's key; refusals that change nothing; shell completion.
+when none runs; the caller's key; refusals that change nothing; shell completion; the command
+coming from the chat plugin, through ``localm.sdk.cli``.
 
 The tests that need a running server share one (``s``), in the order they are written: the
 last one gives it an owner key and takes it away again."""
@@ -379,6 +380,35 @@ def test_refusals_change_nothing(tmp_path: Path) -> None:
         assert not (d / "server.json").exists() and not (d / "serve.log").exists(), args  # no server started
     assert server.cli("stop", "nosuch").returncode == 1
     assert server.cli("stop", MODEL).stdout == f"No localm server is running on {d}: {MODEL} is not loaded.\n"
+
+
+def test_run_is_the_chat_plugins_command(tmp_path: Path) -> None:
+    """The kernel holds no chat surface: `localm run` is the command the chat plugin registers,
+    and loading it for `localm run --help` imports no server, engine or grammar library."""
+    code = ("import sys\nfrom localm.kernel.cli import main\n"
+            "assert 'run' not in main.commands\n"
+            "try:\n    main(['--data-dir', sys.argv[1], 'run', '--help'], prog_name='localm')\n"
+            "except SystemExit as exc:\n    assert not exc.code, exc.code\n"
+            "print(sorted(m for m in ('uvicorn', 'jsonschema', 'llguidance', 'numpy', 'torch', 'llama_cpp')"
+            " if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "data")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "Usage: localm run [OPTIONS] [MODEL] [PROMPT]..." in out.stdout
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout
+    info = LocalmServer(tmp_path / "data").cli("plugin", "info", "chat", "--json")
+    assert json.loads(info.stdout)["commands"] == ["run"]
+
+
+def test_the_sdk_checks_a_model_before_a_server_starts(tmp_path: Path) -> None:
+    from localm.sdk import cli
+
+    assert cli.model_known(None, tmp_path) and cli.model_known(MODEL, tmp_path)  # the default model counts
+    assert not cli.model_known("nosuch", tmp_path)
+    (tmp_path / "models.json").write_text("{not json")
+    assert cli.model_known("nosuch", tmp_path)  # an unreadable registry: the server says why
+    assert cli.human_count(134_515_008) == "134.5M"
+    assert cli.default_parameters()["temperature"] is not None
 
 
 def test_starts_a_server_in_the_background_when_none_runs(tmp_path: Path) -> None:

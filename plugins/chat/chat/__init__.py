@@ -1,4 +1,5 @@
-"""The chat plugin: POST /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/rerank.
+"""The chat plugin: POST /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/rerank,
+and the ``localm run`` command (:mod:`.cli`).
 
 It parses OpenAI requests, runs the chat pipeline (inlet hooks, template, the engine,
 stop sequences, outlet hooks) and renders OpenAI responses and server-sent events.
@@ -299,3 +300,10 @@ def startup(host, plugin):
 @sdk.hookimpl
 def register_routes(register):
     register(chat_completions, completions, embeddings, rerank_route)
+
+
+@sdk.hookimpl
+def register_commands(register):
+    from .cli import run  # the `localm run` chat, imported only when the CLI asks for it
+
+    register(run)

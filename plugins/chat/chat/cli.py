@@ -1,11 +1,14 @@
-"""``localm run``: talk to a model from the terminal.
+"""``localm run``: talk to a model from the terminal (the command this plugin registers).
 
 With a prompt (or text piped in) it streams the answer to stdout and exits; without one it
 opens an interactive chat. Either way it talks to the server running on the data dir,
-over the chat plugin's ``POST /v1/chat/completions`` with ``stream: true``, and prints
+over this plugin's ``POST /v1/chat/completions`` with ``stream: true``, and prints
 each piece of the answer the moment it arrives. When no server runs it starts
 ``localm serve`` in the background and says so. Requests carry the caller's key
 (``--key`` or ``LOCALM_API_KEY``) when there is one, else the server's attach token.
+
+The CLI imports this module only for the command (``register_commands``): it imports
+nothing the ``localm`` command has not loaded already.
 """
 
 from __future__ import annotations
@@ -13,22 +16,19 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 import attrs
 import click
 import httpx
+from localm import sdk
+from localm.sdk import cli as sdk_cli
 
-from .client import ServerClient, ServerError
-from .datadir import server_file
-from .errors import LocalmError
-
-#: Seconds a background ``localm serve`` may take to answer.
-START_TIMEOUT = 120.0
+LocalmError = sdk.LocalmError
+ServerClient = sdk.ServerClient
+ServerError = sdk.ServerError
 
 #: Sampling parameters ``/set parameter`` and ``--parameter`` accept: (request field, type,
 #: lowest, highest); the bounds are those the chat routes enforce.
@@ -84,38 +84,6 @@ def parse_parameter(name: str, value: str) -> tuple[str, Any]:
 
 
 # --- the connection ------------------------------------------------------------------------
-
-def ensure_server(data_dir: Path) -> tuple[ServerClient, str | None]:
-    """The server running on ``data_dir``, or one started now as a background ``localm serve``
-    (with a line that says so, for the caller to print)."""
-    found = ServerClient.find(data_dir)
-    if found is not None:
-        return found, None
-    data_dir.mkdir(parents=True, exist_ok=True)
-    log_path = data_dir / "serve.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "localm.kernel", "--data-dir", str(data_dir), "serve"],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-            raise LocalmError(500, f"localm serve could not start (exit status {proc.returncode}): "
-                                   + " / ".join(tail), code="server_failed")
-        try:
-            pid = json.loads(server_file(data_dir).read_text()).get("pid")
-        except (OSError, ValueError):
-            pid = None
-        if pid == proc.pid:
-            found = ServerClient.find(data_dir)
-            if found is not None:
-                return found, (f"Started `localm serve` in the background on {found.url} (pid {proc.pid}; "
-                               f"log: {log_path}; stop it with `kill {proc.pid}`).")
-        time.sleep(0.1)
-    raise LocalmError(504, f"localm serve did not answer within {START_TIMEOUT:.0f} s; see {log_path}",
-                      code="server_failed")
-
 
 class Connection:
     """HTTP to the server, as the caller: their key when they have one, else the attach token."""
@@ -316,21 +284,23 @@ class Chat:
             if exc.status in (401, 403):  # a key without models:read: the chat request will tell
                 return name
             if exc.status == 404:
-                hint = (" (localm run MODEL PROMPT: the model comes first; `localm models` lists them)"
-                        if " " in name else " (`localm models` lists the registered ones)")
-                raise LocalmError(404, f"Model not found: {name}{hint}") from None
+                raise not_found(name) from None
             raise
 
     def card(self) -> dict[str, Any]:
-        from .modelcard import card
-        from .models import Registry
-
-        out = card(Registry(self.data_dir).get(self.model or ""))
+        out = sdk_cli.model_card(self.model or "", self.data_dir)
         try:
             out["server"] = self.conn.call("GET", f"/v1/models/{out['id']}")
         except ServerError:
             out["server"] = {}
         return out
+
+
+def not_found(name: str) -> LocalmError:
+    """The 404 for a model name the registry does not hold (a prompt given first says so)."""
+    hint = (" (localm run MODEL PROMPT: the model comes first; `localm models` lists them)"
+            if " " in name else " (`localm models` lists the registered ones)")
+    return LocalmError(404, f"Model not found: {name}{hint}")
 
 
 def _isatty(stream: TextIO) -> bool:
@@ -514,8 +484,7 @@ class Repl:
             click.echo(chat.system or "No system message is set.")
             return
         if what == "parameters":
-            from .modelcard import default_parameters
-            shown = {**default_parameters(), **chat.parameters}
+            shown = {**sdk_cli.default_parameters(), **chat.parameters}
             for key, value in shown.items():
                 mark = "" if key in chat.parameters else "  (default)"
                 click.echo(f"{key:<18} {json.dumps(value)}{mark}")
@@ -528,7 +497,7 @@ class Repl:
         elif what == "license":
             click.echo(card["license"] or "No licence is recorded for this model.")
         else:
-            from .modelcard import human_count
+            human_count = sdk_cli.human_count
             server = card.get("server") or {}
             rows = [("model", card["id"]), ("architecture", card.get("architecture") or "unknown"),
                     ("parameters", human_count(card.get("parameter_count"))),
@@ -552,3 +521,73 @@ class Repl:
                 raise
         chat.model = model
         click.echo(f"Talking to {model} now.")
+
+
+# --- the command -----------------------------------------------------------------------------
+
+@click.command("run")
+@click.argument("model", required=False, shell_complete=sdk_cli.complete_models)
+@click.argument("prompt", nargs=-1)
+@click.option("-s", "--system", help="A system message.")
+@click.option("-p", "--parameter", "parameters", type=(str, str), multiple=True, metavar="NAME VALUE",
+              help="A sampling parameter, as /set parameter takes it: temperature 0.2, seed 7, max_tokens 64, "
+                   "stop '###'... (repeat for several).")
+@click.option("--format", "format_", type=click.Choice(["json"]), help="Answer with a JSON object.")
+@click.option("--think/--no-think", default=None,
+              help="Ask a reasoning model to think before answering, or not (default: the model's own).")
+@click.option("--hide-thinking", is_flag=True, help="Do not show a reasoning model's thinking.")
+@click.option("--verbose", is_flag=True, help="After each answer, show token counts and speed.")
+@click.option("--key", envvar="LOCALM_API_KEY", metavar="KEY", help="The API key to call the server with "
+              "(default: $LOCALM_API_KEY, else the running server's own token, as the owner).")
+def run(model: str | None, prompt: tuple[str, ...], system: str | None, parameters: tuple[tuple[str, str], ...],
+        format_: str | None, think: bool | None, hide_thinking: bool, verbose: bool, key: str | None) -> None:
+    """Talk to MODEL (default: the active model). With PROMPT, or with text piped in, print
+    the answer and exit; otherwise chat interactively (/? for help)."""
+    # A refusal (LocalmError, ServerError) leaves as `Error: ...` and exit status 1: the CLI
+    # guards every plugin command so.
+    try:
+        _run(model, prompt, system=system, parameters=parameters, format_=format_, think=think,
+             hide_thinking=hide_thinking, verbose=verbose, key=key)
+    except KeyboardInterrupt:  # before the answer streams (a server starting, a model loading)
+        click.echo(err=True)
+        sys.exit(130)
+
+
+def _run(model: str | None, prompt: tuple[str, ...], *, system: str | None, parameters: tuple[tuple[str, str], ...],
+         format_: str | None, think: bool | None, hide_thinking: bool, verbose: bool, key: str | None) -> None:
+    data_dir = sdk_cli.data_dir()
+    chosen: dict[str, Any] = {}
+    for name, value in parameters:
+        field, parsed = parse_parameter(name, value)
+        if field == "stop":
+            chosen["stop"] = [*chosen.get("stop", []), parsed]
+            if len(chosen["stop"]) > MAX_STOPS:
+                raise LocalmError(400, f"At most {MAX_STOPS} stop sequences")
+        else:
+            chosen[field] = parsed
+    extra: dict[str, Any] = {}
+    if format_ == "json":
+        extra["response_format"] = {"type": "json_object"}
+    if think is not None:
+        extra["chat_template_kwargs"] = {"enable_thinking": think}
+    if model is not None and not sdk_cli.model_known(model, data_dir):  # before any server starts for it
+        raise not_found(model)
+    piped = stdin_text()
+    words = " ".join(prompt)
+    text = "\n\n".join(part for part in ((piped or "").strip(), words) if part)
+    interactive = not prompt and piped is None
+    if interactive and not sys.stdin.isatty():
+        raise LocalmError(400, "Nothing to ask: give a PROMPT or pipe text in "
+                               "(the interactive chat needs a terminal)")
+    if not interactive and not text.strip():
+        raise LocalmError(400, "Nothing to ask: the prompt is empty")
+    server, started = sdk_cli.ensure_server(data_dir)
+    if started:
+        click.echo(started, err=True)
+    chat = Chat(Connection(server, key), data_dir, None, system=system, parameters=chosen, extra=extra,
+                verbose=verbose, show_reasoning=not hide_thinking)
+    chat.model = chat.resolve_model(model)
+    if interactive:
+        sys.exit(Repl(chat).run())
+    if chat.ask(text).interrupted:
+        sys.exit(130)
