@@ -32,7 +32,7 @@ from localm.kernel.hookspecs import hookimpl
 from localm.kernel.jobs import JobCancelled, JobContext
 from localm.kernel.logs import annotate
 from localm.kernel.plugins import PluginContext
-from localm.kernel.routes.common import EventStream, sse
+from localm.kernel.routes.common import EventStream, json_body, sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
 from localm.kernel.settings import FieldSpec, setting
 
@@ -58,6 +58,8 @@ __all__ = [
     # routes
     "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "EventStream", "sse",
     "caller", "Principal", "host_of", "plugin_of",
+    # a request's JSON body
+    "json_body",
     # the request log: what a request's line says beyond method, path, status and time
     "annotate",
     # request bodies for the OpenAPI document (body=, errors= on a route)

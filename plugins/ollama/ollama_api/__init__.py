@@ -25,7 +25,7 @@ from typing import Any
 from localm import sdk
 
 from . import info, schema, translate
-from .translate import body_of, field
+from .translate import field
 
 log = logging.getLogger("localm.plugin.ollama")
 
@@ -59,7 +59,7 @@ def _empty() -> sdk.Response:
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
-    return body_of(await request.body())
+    return await sdk.json_body(request, missing="missing request body")
 
 
 def _model_name(body: dict[str, Any]) -> str:

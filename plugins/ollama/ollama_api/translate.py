@@ -7,7 +7,6 @@ silently. ``X-Localm-Strict: true`` turns an ignored field into a 400.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -32,18 +31,6 @@ CHAT_FIELDS = {"model", "messages", "tools", "format", "options", "stream", "kee
 GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "context", "stream", "raw", "format", "images",
                    "options", "keep_alive", "think", "logprobs", "top_logprobs"}
 MESSAGE_FIELDS = {"role", "content", "images", "tool_calls", "tool_name", "tool_call_id"}
-
-
-def body_of(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        raise sdk.LocalmError(400, "missing request body")
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
-    if not isinstance(value, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object")
-    return value
 
 
 def field(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
