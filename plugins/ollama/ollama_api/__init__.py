@@ -408,7 +408,8 @@ async def _embed(request: sdk.Request, legacy: bool) -> tuple[Any, dict[str, Any
         raise sdk.LocalmError(400, "options must be an object")
     ignored += [k for k, v in body.items() if k not in used and translate.present(v)]
     ignored += [f"options.{k}" for k, v in (options or {}).items() if v is not None]  # nothing samples here
-    headers = translate.ignored_headers(ignored, request.headers, "/api/embeddings" if legacy else "/api/embed")
+    headers = sdk.report_ignored(ignored, request.headers, "/api/embeddings" if legacy else "/api/embed",
+                                 log=log)
     load_s = await _ensure_loaded(host, entry)
     vectors: list[list[float]] = []
     tokens = 0
@@ -493,7 +494,7 @@ async def pull_route(request: sdk.Request) -> Any:
     ignored = [k for k, v in body.items() if k not in ("model", "name", "stream", "insecure") and translate.present(v)]
     if body.get("insecure"):
         ignored.append("insecure")  # nothing is fetched from a registry
-    headers = translate.ignored_headers(ignored, request.headers, "/api/pull")
+    headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)
     events = host.models.pull(source).__aiter__()
     try:
         first = await events.__anext__()
