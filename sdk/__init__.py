@@ -35,10 +35,11 @@ from localm.kernel.jobs import JobCancelled, JobContext
 from localm.kernel.logs import annotate
 from localm.kernel.models import ModelEntry, ModelFormat, ModelSource, model_id
 from localm.kernel.plugins import PluginContext
-from localm.kernel.routes.common import EventStream, sse
+from localm.kernel.routes.common import EventStream, json_body, sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
 from localm.kernel.settings import FieldSpec, setting
 
+from .fields import report_ignored, strict_mode
 from .text import defang
 
 
@@ -67,6 +68,8 @@ __all__ = [
     # routes
     "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "EventStream", "sse",
     "caller", "Principal", "host_of", "plugin_of", "service_of",
+    # a request's JSON body; the ignored-fields report and X-Localm-Strict
+    "json_body", "report_ignored", "strict_mode",
     # the request log: what a request's line says beyond method, path, status and time
     "annotate",
     # request bodies for the OpenAPI document (body=, errors= on a route)

@@ -150,6 +150,32 @@ def test_seed_is_echoed_and_unused_options_reported(server: LocalmServer) -> Non
     assert strict.status_code == 400 and "options.mirostat" in strict.json()["error"]
 
 
+def test_a_malformed_strict_header_is_refused_alike_on_openai_and_ollama_routes(server: LocalmServer) -> None:
+    """X-Localm-Strict (or X-miLLM-Strict) is true, 1, false or 0: any other value is a 400
+    naming the header on every route that reports ignored fields, whether or not the request
+    has one, before any model loads; each route family gives the error its own shape."""
+    openai_routes = [("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 1}),
+                     ("/v1/embeddings", {"model": MODEL, "input": "x", "user": "ada"})]
+    ollama_routes = [("/api/chat", {"model": MODEL, "messages": QUESTION, "stream": False}),
+                     ("/api/generate", {"model": MODEL, "prompt": "x", "stream": False, "mirostat_mode": 1}),
+                     ("/api/embed", {"model": MODEL, "input": "x"}),
+                     ("/api/embeddings", {"model": MODEL, "prompt": "x", "mirostat_mode": 1}),
+                     ("/api/pull", {"model": str(server.data_dir / "no-such.gguf"), "insecure": True})]
+    for header, value in (("X-Localm-Strict", "yes"), ("X-miLLM-Strict", "maybe")):
+        message = f"{header.lower()} must be true, 1, false or 0, got {value!r}"
+        sent = {header: value, "Authorization": f"Bearer {server.token}"}  # the token: /api/pull
+        for path, body in openai_routes:
+            r = httpx.post(server.url + path, json=body, headers=sent, timeout=60)
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["message"] == message and r.json()["error"]["code"] == "invalid_header"
+        for path, body in ollama_routes:
+            r = httpx.post(server.url + path, json=body, headers=sent, timeout=60)
+            assert (r.status_code, r.json()) == (400, {"error": message}), path
+    r = httpx.post(server.url + "/api/embeddings", json={"model": MODEL, "prompt": "x", "mirostat_mode": 1},
+                   headers={"X-Localm-Strict": "1"}, timeout=60)
+    assert r.status_code == 400 and r.json() == {"error": "Unused fields (X-Localm-Strict): mirostat_mode"}
+
+
 def test_format_json_and_schema(client: Any) -> None:
     r = client.chat(model=MODEL, messages=[{"role": "user", "content": "Name a city as JSON."}], format="json",
                     options={"temperature": 0, "num_predict": 40})

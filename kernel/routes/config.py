@@ -12,7 +12,7 @@ from ..config import KERNEL_FIELDS, READ_ONLY_EXTRAS, STATE_KEYS
 from ..errors import LocalmError
 from ..manifest import legal_id
 from ..routing import get, patch, post
-from .common import json_object, kernel_of, principal_of
+from .common import json_body, kernel_of, principal_of
 
 
 def _patch_schema() -> dict[str, Any]:
@@ -64,7 +64,7 @@ def _context_extras(k: Any) -> dict[str, Any]:
 async def patch_config(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
     caller = principal_of(request)
-    body = await json_object(request)
+    body = await json_body(request)
     if body.get("require_auth") is True and not k.keys.any_key():
         raise LocalmError(400, "require_auth needs an API key first: run `localm key generate`")
     before = k.config.enabled_overrides()
@@ -119,7 +119,7 @@ async def set_plugin_settings(request: Request, name: str) -> dict[str, Any]:
     p = k.plugins.plugins.get(name) if legal_id(name) else None
     if p is None or not p.active or not p.fields:
         raise LocalmError(404, f"No active plugin named {name} has settings")
-    body = await json_object(request)
+    body = await json_body(request)
     k.config.set_plugin_values(name, k.plugins.check_settings(name, body, caller=caller))
     return {"plugin": name, "fields": _plugin_fields(k, caller, p)}
 

@@ -12,7 +12,7 @@ from .. import limits
 from ..auth import KERNEL_SCOPES, PRIVILEGED_SCOPES, new_key, parse_mint_request
 from ..errors import LocalmError
 from ..routing import delete, get, post
-from .common import json_body, json_object, kernel_of, principal_of
+from .common import json_body, kernel_of, principal_of
 
 
 @attrs.define
@@ -63,7 +63,7 @@ async def list_keys(request: Request) -> dict[str, Any]:
 async def create_key(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
     caller = principal_of(request)
-    body = await json_object(request)
+    body = await json_body(request)
     known = {**KERNEL_SCOPES, **k.plugins.known_scopes()}
     wanted = parse_mint_request(body, caller, set(known))
     scopes = wanted["scopes"]
@@ -99,11 +99,7 @@ async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
                    "Authorization header cannot carry)"})
 async def rotate_owner_key(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
-    body = await json_body(request, required=False)
-    if body is None:
-        body = {}
-    if not isinstance(body, dict):
-        raise LocalmError(400, "The body must be a JSON object")
+    body = await json_body(request, empty={})
     value = body.get("key")
     if value is not None and not isinstance(value, str):
         raise LocalmError(400, "key must be a string")

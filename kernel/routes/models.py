@@ -46,7 +46,7 @@ _PARAMS = {400: "A body that is not an object, an unknown field, a field that is
 async def _params(request: Request, **query: str | None) -> dict[str, str | None]:
     """The route's parameters, from the query string or a JSON object body holding the same
     fields (both: they must agree). A body field the route does not read is a 400, never ignored."""
-    body = await json_body(request, required=False)
+    body = await json_body(request, empty=None, require_object=False)
     out = dict(query)
     if body is not None:
         if not isinstance(body, dict):

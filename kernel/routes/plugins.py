@@ -14,7 +14,7 @@ from ..errors import LocalmError
 from ..jobs import JobContext
 from ..manifest import legal_id
 from ..routing import get, post
-from .common import json_object, kernel_of, principal_of, sse
+from .common import json_body, kernel_of, principal_of, sse
 
 
 def _name(name: str) -> str:
@@ -91,7 +91,7 @@ async def install_external(request: Request) -> dict[str, Any]:
     WebUI export (``.json``); or ``{"content": SOURCE, "id": ID}``: a Function's source (or an
     export's JSON, without ``id``). ``force`` replaces what is installed."""
     k = kernel_of(request)
-    body = await json_object(request)
+    body = await json_body(request)
     unknown = sorted(set(body) - {"source", "content", "id", "force"})
     if unknown:
         raise LocalmError(400, f"Unknown field(s): {', '.join(unknown)} (source, content, id and force are read)")

@@ -49,7 +49,7 @@ async def sign_in(request: Request) -> Response:
     k = kernel_of(request)
     if not k.auth_required():
         raise LocalmError(400, "No API key is configured: there is nothing to sign in to")
-    body = await json_body(request, required=False)
+    body = await json_body(request, empty=None, require_object=False)
     key = body.get("key") if isinstance(body, dict) else None
     if key is None:
         auth = request.headers.get("authorization", "")

@@ -8,7 +8,6 @@ take Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -23,11 +22,7 @@ OPT = {"x_api_key": True}
 
 
 async def _body(request: sdk.Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
+    return await sdk.json_body(request, require_object=False, missing="The body is not valid JSON")
 
 
 @sdk.post("/v1/messages", scope=None, access="inference", error_family="anthropic", opt=OPT,

@@ -35,11 +35,8 @@ def _event(data: dict[str, Any]) -> bytes:
 
 
 async def _body(request: sdk.Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
+    """Any JSON value: the readers refuse one that is not an object with their 422."""
+    return await sdk.json_body(request, require_object=False, missing="The body is not valid JSON")
 
 
 def _stream(chunks: AsyncIterator[bytes], headers: dict[str, str]) -> sdk.Stream:

@@ -1,10 +1,9 @@
 """Every request field is honoured, reported or refused, never dropped silently.
 
-- A field the route does not use is named in ``X-Localm-Ignored-Fields`` (an RFC 8941
-  list of strings, capped at 1,024 bytes with a final ``"+N more"``), and logged once
-  per request without its value. ``X-Localm-Strict: true`` (or 1) refuses such a request
-  with 400 ``unused_fields_refused`` naming every location. The ``X-miLLM-`` spellings
-  of both headers are accepted and answered too.
+- A field the route does not use is named in ``X-Localm-Ignored-Fields`` and logged once
+  per request without its value; ``X-Localm-Strict: true`` (or 1) refuses such a request
+  with 400 ``unused_fields_refused``. The report and the header are the SDK's
+  (``sdk.report_ignored``), the same on every surface.
 - A field that would change the output but cannot be honoured here is refused with 400
   ``field_not_honoured`` before any model loads, unless it carries a "no change" value.
 """
@@ -18,10 +17,6 @@ from typing import Any
 from localm import sdk
 
 log = logging.getLogger("localm.plugin.chat")
-
-HEADER_MAX_BYTES = 1024
-STRICT_HEADERS = ("x-localm-strict", "x-millm-strict")
-IGNORED_HEADERS = ("X-Localm-Ignored-Fields", "X-miLLM-Ignored-Fields")
 
 #: Fields the request path reads, per route.
 USED = {
@@ -98,20 +93,6 @@ NOT_HONOURED_ON = {
 }
 
 
-def strict_mode(headers: Any) -> bool:
-    for name in STRICT_HEADERS:
-        value = headers.get(name)
-        if value is None:
-            continue
-        value = value.strip().lower()
-        if value in ("true", "1"):
-            return True
-        if value in ("false", "0"):
-            return False
-        raise sdk.LocalmError(400, f"{name} must be true, 1, false or 0, got {value!r}", code="invalid_header")
-    return False
-
-
 def check(route: str, body: dict[str, Any], headers: Any, used: set[str] | None = None) -> dict[str, str]:
     """Refuse what cannot be honoured; return the ignored-fields headers to send (maybe none).
 
@@ -119,7 +100,7 @@ def check(route: str, body: dict[str, Any], headers: Any, used: set[str] | None 
     """
     used = USED[route] if used is None else used
     refuse_not_honoured(route, body, used)
-    return report(list(_unused(route, body, used)), headers, ROUTE_NAMES[route])
+    return sdk.report_ignored(list(_unused(route, body, used)), headers, ROUTE_NAMES[route], log=log)
 
 
 def refuse_not_honoured(route: str, body: dict[str, Any], used: set[str]) -> None:
@@ -139,19 +120,6 @@ def unused(route: str, body: dict[str, Any], used: set[str]) -> list[str]:
 def claimed(location: str, claims: set[str]) -> bool:
     """Whether a claim covers ``location``: the field itself or one that holds it."""
     return any(location == c or location.startswith((c + ".", c + "[")) for c in claims)
-
-
-def report(unused: list[str], headers: Any, where: str) -> dict[str, str]:
-    """The ignored-fields headers for ``unused`` (none when empty); with X-Localm-Strict, a 400."""
-    strict = strict_mode(headers)
-    if not unused:
-        return {}
-    if strict:
-        raise sdk.LocalmError(400, "Unused fields (X-Localm-Strict): " + ", ".join(unused),
-                              code="unused_fields_refused", fields=unused)
-    log.warning("request_fields_unused on %s: %s", where, ", ".join(unused))
-    value = header_value(unused)
-    return {name: value for name in IGNORED_HEADERS}
 
 
 ROUTE_NAMES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
@@ -186,23 +154,3 @@ def _unused(route: str, body: dict[str, Any], used: set[str]) -> Iterable[str]:
                         for key in part:
                             if key not in PART_USED:
                                 yield f"messages[{i}].content[{j}].{key}"
-
-
-def _sf_string(text: str) -> str:
-    safe = "".join(c if 0x20 <= ord(c) < 0x7F else "".join(f"%{b:02x}" for b in c.encode()) for c in text)
-    return '"' + safe.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def header_value(locations: list[str]) -> str:
-    """An RFC 8941 list of strings of at most HEADER_MAX_BYTES, ending "+N more" when cut."""
-    items = [_sf_string(loc) for loc in locations]
-    out: list[str] = []
-    for i, item in enumerate(items):
-        rest = len(items) - i - 1
-        tail = f', "+{rest} more"' if rest else ""
-        candidate = ", ".join([*out, item])
-        if len(candidate) + len(tail) > HEADER_MAX_BYTES:
-            more = len(items) - len(out)
-            return ", ".join([*out, f'"+{more} more"'])
-        out.append(item)
-    return ", ".join(out)

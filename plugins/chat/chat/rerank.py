@@ -11,7 +11,6 @@ One reranker is resident at a time (the model manager unloads one to load anothe
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -117,13 +116,13 @@ async def _score(engine: Any, entry: Any, query: str, documents: list[str]) -> l
 
 # --- POST /v1/rerank ---------------------------------------------------------------------
 
-def read_body(raw: bytes) -> tuple[dict[str, Any], str | None, str, list[str], int | None, bool]:
-    """(body, model, query, document texts, top_n, return_documents); a body that is not valid
-    JSON, or a field of the wrong type, is a 422 naming every such field."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise Invalid([{"key": "body", "message": "is not valid JSON"}]) from None
+def _not_json(reason: str, message: str) -> Invalid:
+    return Invalid([{"key": "body", "message": "is not valid JSON"}])
+
+
+def read_body(body: Any) -> tuple[dict[str, Any], str | None, str, list[str], int | None, bool]:
+    """(body, model, query, document texts, top_n, return_documents) from the parsed body; a
+    body that is not an object, or a field of the wrong type, is a 422 naming every such field."""
     r = Reader(body)
     model = r.get("model", (str,), "a string")
     query = r.body.get("query")
@@ -153,7 +152,8 @@ def read_body(raw: bytes) -> tuple[dict[str, Any], str | None, str, list[str], i
           body=RerankRequest, errors=RERANK_ERRORS)
 async def rerank_route(request: sdk.Request) -> sdk.Response:
     host = sdk.host_of(request)
-    body, model, query, texts, top_n, back = read_body(await request.body())
+    body, model, query, texts, top_n, back = read_body(await sdk.json_body(request, require_object=False,
+                                                                          refuse=_not_json))
     headers = fields.check("rerank", body, request.headers)
     entry, results, tokens = await host.service("chat").rerank(model, query, texts, top_n=top_n)
     if back:

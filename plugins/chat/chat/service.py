@@ -627,7 +627,7 @@ class ChatService:
         else:
             unused = [where for where in ignored if not fields.claimed(where, claims)]
         where = request.url.path if request is not None else fields.ROUTE_NAMES[kind]
-        return fields.report(unused, headers, where)
+        return sdk.report_ignored(unused, headers, where, log=log)
 
     @staticmethod
     def _check_stream(options: Options, common: Common, chain: hooks.Chain) -> None:

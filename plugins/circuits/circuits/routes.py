@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -12,16 +11,7 @@ from . import check_document, current, read_dial
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
-    if not isinstance(body, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object")
-    return body
+    return await sdk.json_body(request, empty={})
 
 
 @sdk.get("/api/circuits", summary="List imported circuits")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import random
 import secrets
@@ -57,17 +56,15 @@ def _invalid(key: str, message: str) -> sdk.LocalmError:
     return sdk.LocalmError(422, f"{key}: {message}", errors=[{"key": key, "message": message}], param=key)
 
 
+def _refuse(reason: str, message: str) -> sdk.LocalmError:
+    if reason == "invalid":
+        return sdk.LocalmError(400, message, code="invalid_json")
+    return _invalid("body", message)
+
+
 async def read_body(request: sdk.Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        raise _invalid("body", "a JSON object with a prompt is required")
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise sdk.LocalmError(400, "The body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise _invalid("body", "must be a JSON object")
-    return body
+    return await sdk.json_body(request, missing="a JSON object with a prompt is required",
+                               not_object="must be a JSON object", refuse=_refuse)
 
 
 def parse(body: dict[str, Any], *, openai: bool) -> Spec:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
 import typing
 from typing import Any
@@ -203,13 +202,7 @@ async def set_media_config(request: sdk.Request, name: str) -> dict[str, Any]:
     plugin = sdk.plugin_of(request)
     if name != plugin.name:
         raise sdk.LocalmError(404, f"No media plugin named {name} (images is the one running)", code="unknown_plugin")
-    raw = await request.body()
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object of settings")
+    body = await sdk.json_body(request, empty={}, not_object="The body must be a JSON object of settings")
     caller = sdk.caller(request)
     owner_only = {spec.key for spec in _specs() if spec.owner_only}
     refused = sorted(k for k in body if k in owner_only)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import sqlite3
 import time
 from typing import Any
@@ -21,16 +20,7 @@ MAX_BODY = 13 * MAX_CHARS
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
-    if not isinstance(body, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object")
-    return body
+    return await sdk.json_body(request, empty={})
 
 
 def _text(body: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from localm import sdk
 
 from . import info, schema, translate
-from .translate import body_of, field
+from .translate import field
 
 log = logging.getLogger("localm.plugin.ollama")
 
@@ -59,7 +59,7 @@ def _empty() -> sdk.Response:
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
-    return body_of(await request.body())
+    return await sdk.json_body(request, missing="missing request body")
 
 
 def _model_name(body: dict[str, Any]) -> str:
@@ -361,7 +361,8 @@ async def _embed(request: sdk.Request, legacy: bool) -> tuple[Any, dict[str, Any
         raise sdk.LocalmError(400, "options must be an object")
     ignored += [k for k, v in body.items() if k not in used and translate.present(v)]
     ignored += [f"options.{k}" for k, v in (options or {}).items() if v is not None]  # nothing samples here
-    headers = translate.ignored_headers(ignored, request.headers, "/api/embeddings" if legacy else "/api/embed")
+    headers = sdk.report_ignored(ignored, request.headers, "/api/embeddings" if legacy else "/api/embed",
+                                 log=log)
     load_s = await _ensure_loaded(host, entry)
     vectors: list[list[float]] = []
     tokens = 0
@@ -447,7 +448,7 @@ async def pull_route(request: sdk.Request) -> Any:
     ignored = [k for k, v in body.items() if k not in ("model", "name", "stream", "insecure") and translate.present(v)]
     if body.get("insecure"):
         ignored.append("insecure")  # nothing is fetched from a registry
-    headers = translate.ignored_headers(ignored, request.headers, "/api/pull")
+    headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)
     events = host.models.pull(source).__aiter__()
     try:
         first = await events.__anext__()

@@ -1,26 +1,19 @@
 """From Ollama request bodies to the chat service's OpenAI bodies.
 
 Every Ollama field is used, refused with a 400 that says what to do instead, or named
-in ``X-Localm-Ignored-Fields`` (an RFC 8941 list of strings) and logged: never dropped
+in ``X-Localm-Ignored-Fields`` and logged (``sdk.report_ignored``): never dropped
 silently. ``X-Localm-Strict: true`` turns an ignored field into a 400.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import re
 from typing import Any
 
 from localm import sdk
 
-log = logging.getLogger("localm.plugin.ollama")
-
 FOREVER = math.inf
-HEADER_MAX_BYTES = 1024
-IGNORED_HEADERS = ("X-Localm-Ignored-Fields", "X-miLLM-Ignored-Fields")
-STRICT_HEADERS = ("x-localm-strict", "x-millm-strict")
 
 #: Options passed on as they are (OpenAI names and meanings are the same).
 NUMBER_OPTIONS = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
@@ -32,18 +25,6 @@ CHAT_FIELDS = {"model", "messages", "tools", "format", "options", "stream", "kee
 GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "context", "stream", "raw", "format", "images",
                    "options", "keep_alive", "think", "logprobs", "top_logprobs"}
 MESSAGE_FIELDS = {"role", "content", "images", "tool_calls", "tool_name", "tool_call_id"}
-
-
-def body_of(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        raise sdk.LocalmError(400, "missing request body")
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
-    if not isinstance(value, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object")
-    return value
 
 
 def field(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
@@ -314,34 +295,3 @@ def generate_body(body: dict[str, Any], entry: Any, name: str, ignored: list[str
         read_options(body.get("options"), out, ignored)
     ignored[:0] = [key for key, value in body.items() if key not in GENERATE_FIELDS and present(value)]
     return out, raw
-
-
-# --- the ignored-fields report ----------------------------------------------------------
-
-def _sf_string(text: str) -> str:
-    safe = "".join(c if 0x20 <= ord(c) < 0x7F else "".join(f"%{b:02x}" for b in c.encode()) for c in text)
-    return '"' + safe.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def ignored_headers(ignored: list[str], request_headers: Any, route: str) -> dict[str, str]:
-    """The X-Localm-Ignored-Fields headers for ``ignored`` (none when empty); with
-    X-Localm-Strict: true, a 400 instead."""
-    if not ignored:
-        return {}
-    for name in STRICT_HEADERS:
-        value = (request_headers.get(name) or "").strip().lower()
-        if value in ("true", "1"):
-            raise sdk.LocalmError(400, "Unused fields (X-Localm-Strict): " + ", ".join(ignored),
-                                  code="unused_fields_refused", fields=ignored)
-    log.info("request fields not used on %s: %s", route, ", ".join(ignored))
-    items = [_sf_string(x) for x in ignored]
-    kept: list[str] = []
-    for i, item in enumerate(items):
-        rest = len(items) - i - 1
-        tail = f', "+{rest} more"' if rest else ""
-        if len(", ".join([*kept, item])) + len(tail) > HEADER_MAX_BYTES:
-            kept.append(f'"+{len(items) - len(kept)} more"')
-            break
-        kept.append(item)
-    value = ", ".join(kept)
-    return {name: value for name in IGNORED_HEADERS}

@@ -62,16 +62,7 @@ def register_installers(register: Any) -> None:
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
-    import json
-
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object")
-    return body
+    return await sdk.json_body(request, empty={})
 
 
 @sdk.get("/api/functions", scope=None, access="inference", web=False,

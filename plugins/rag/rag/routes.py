@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import math
 from typing import Any
 
@@ -15,25 +14,13 @@ from . import current, extract, policy, schema
 from .service import (DEFAULT_EMBEDDER, INTERNAL, MAX_FILE_BYTES, MAX_PATHS, MAX_QUERY_CHARS, MAX_UPLOAD_BYTES,
                       Source, plain_paths)
 
-#: A body over this size is parsed off the event loop (a 100 MB upload takes a while).
-_PARSE_INLINE = 256 * 1024
 #: The longest file name an upload may give.
 MAX_FILENAME_CHARS = 255
 
 
 async def _body(request: sdk.Request, limit: int | None = None) -> dict[str, Any]:
-    raw = await request.body()
-    if limit is not None and len(raw) > limit:
-        raise sdk.LocalmError(413, f"The request is over {limit // (1024 * 1024)} MB", code="request_too_large")
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw) if len(raw) <= _PARSE_INLINE else await asyncio.to_thread(json.loads, raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
-    if not isinstance(body, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object")
-    return body
+    """The JSON object (``{}`` for no body); one over ``limit`` bytes is a 413."""
+    return await sdk.json_body(request, empty={}, max_bytes=limit)
 
 
 def _flag(body: dict[str, Any], key: str, default: bool | None) -> bool | None:

@@ -9,7 +9,6 @@ previous_response_id continues a conversation kept in this process's memory
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
@@ -89,11 +88,7 @@ async def create_response(request: sdk.Request) -> Any:
     received = time.perf_counter()
     host = sdk.host_of(request)
     STORE.purge()
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
+    body = await sdk.json_body(request, require_object=False, missing="The body is not valid JSON")
     parsed = parse(body)
     owner = identity(sdk.caller(request))
 

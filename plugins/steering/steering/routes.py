@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import secrets
@@ -21,16 +20,7 @@ SAE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from exc
-    if not isinstance(body, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object")
-    return body
+    return await sdk.json_body(request, empty={})
 
 
 # --- SAEs ---------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import typing
 from typing import Any, AsyncIterator
 
@@ -103,10 +102,8 @@ async def speech(request: sdk.Request) -> Any:
     if "json" not in request.headers.get("content-type", "application/json"):
         raise sdk.LocalmError(415, "The body must be JSON (Content-Type: application/json)",
                               code="unsupported_media_type")
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise bad("The body is not valid JSON", "body") from None
+    body = await sdk.json_body(request, require_object=False, missing="The body is not valid JSON",
+                               refuse=lambda reason, message: bad(message, "body"))
     asked = read_body(body)
     entry = await speaker.resolve(asked.model)
     check_language(entry, asked.language)
@@ -225,12 +222,7 @@ async def write_config(request: sdk.Request) -> dict[str, Any]:
 
     plugin = sdk.plugin_of(request)
     caller = sdk.caller(request)
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise sdk.LocalmError(400, "The body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise sdk.LocalmError(400, "The body must be a JSON object of settings")
+    body = await sdk.json_body(request, empty={}, not_object="The body must be a JSON object of settings")
     known = {f.name: f for f in attrs.fields(Settings)}
     updates: dict[str, Any] = {}
     for key, value in body.items():

@@ -1,0 +1,87 @@
+"""The ignored-fields report and strict mode, the same on every surface that has them.
+
+A field a route does not use is named in ``X-Localm-Ignored-Fields`` (an RFC 8941 list of
+strings, capped at 1,024 bytes with a final ``"+N more"``; a character outside printable
+ASCII is percent-encoded), and logged once per request as a ``request_fields_unused``
+warning, without its value. ``X-Localm-Strict: true`` (or ``1``) refuses such a request
+with 400 ``unused_fields_refused`` naming every location; ``false``, ``0`` or no header keeps
+reporting, and any other value is a 400 ``invalid_header`` naming the header. The
+``X-miLLM-`` spellings of both headers are accepted and answered too.
+
+The errors are ``LocalmError``: the route's error family gives them its shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from localm.kernel.errors import LocalmError
+
+__all__ = ["STRICT_HEADERS", "IGNORED_HEADERS", "HEADER_MAX_BYTES", "strict_mode", "report_ignored",
+           "ignored_header_value"]
+
+#: The strict-mode request headers, in the order they are read (the first one sent decides).
+STRICT_HEADERS = ("x-localm-strict", "x-millm-strict")
+#: The response headers that name the ignored fields (both carry the same value).
+IGNORED_HEADERS = ("X-Localm-Ignored-Fields", "X-miLLM-Ignored-Fields")
+#: The longest X-Localm-Ignored-Fields value.
+HEADER_MAX_BYTES = 1024
+
+_log = logging.getLogger("localm")
+
+
+def strict_mode(headers: Any) -> bool:
+    """Whether the request asks for strict mode: ``true``/``1`` yes, ``false``/``0`` or no
+    header no; any other value is a 400 ``invalid_header``."""
+    for name in STRICT_HEADERS:
+        value = headers.get(name)
+        if value is None:
+            continue
+        value = value.strip().lower()
+        if value in ("true", "1"):
+            return True
+        if value in ("false", "0"):
+            return False
+        raise LocalmError(400, f"{name} must be true, 1, false or 0, got {value!r}", code="invalid_header")
+    return False
+
+
+def report_ignored(unused: list[str], headers: Any, where: str, *,
+                   log: logging.Logger | None = None) -> dict[str, str]:
+    """The response headers naming ``unused`` (the locations of the fields the route did not
+    use: ``"user"``, ``"messages[2].name"``, ...), none when it is empty; in strict mode a 400
+    ``unused_fields_refused`` instead. ``headers`` are the request's; ``where`` names the
+    route in the warning, which goes to ``log`` (the ``localm`` logger when left out).
+
+    A malformed strict header is refused even when nothing was ignored.
+    """
+    strict = strict_mode(headers)
+    if not unused:
+        return {}
+    if strict:
+        raise LocalmError(400, "Unused fields (X-Localm-Strict): " + ", ".join(unused),
+                          code="unused_fields_refused", fields=unused)
+    (log or _log).warning("request_fields_unused on %s: %s", where, ", ".join(unused))
+    value = ignored_header_value(unused)
+    return {name: value for name in IGNORED_HEADERS}
+
+
+def _sf_string(text: str) -> str:
+    safe = "".join(c if 0x20 <= ord(c) < 0x7F else "".join(f"%{b:02x}" for b in c.encode()) for c in text)
+    return '"' + safe.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def ignored_header_value(locations: list[str]) -> str:
+    """An RFC 8941 list of strings of at most HEADER_MAX_BYTES, ending "+N more" when cut."""
+    items = [_sf_string(loc) for loc in locations]
+    out: list[str] = []
+    for i, item in enumerate(items):
+        rest = len(items) - i - 1
+        tail = f', "+{rest} more"' if rest else ""
+        candidate = ", ".join([*out, item])
+        if len(candidate) + len(tail) > HEADER_MAX_BYTES:
+            more = len(items) - len(out)
+            return ", ".join([*out, f'"+{more} more"'])
+        out.append(item)
+    return ", ".join(out)
