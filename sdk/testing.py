@@ -26,6 +26,10 @@ import pytest
 START_TIMEOUT = float(os.environ.get("LOCALM_TEST_START_TIMEOUT", "60"))
 
 
+#: Commands ``LocalmServer.cli`` always runs as a process: they serve, or read a terminal.
+PROCESS_COMMANDS = ("serve", "run")
+
+
 class LocalmServer:
     """A ``localm serve`` subprocess with its own data dir."""
 
@@ -117,11 +121,42 @@ class LocalmServer:
         return self.client(attach=True)
 
     def cli(self, *args: str, input: str | None = None, env: dict[str, str] | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        """Run ``localm --data-dir <this server's> ARGS`` and capture its output."""
+            timeout: float = 300, process: bool | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``localm --data-dir <this server's> ARGS`` and capture its output.
+
+        The command runs in this process (Click's test runner: no interpreter to start, so a
+        test's many CLI calls take milliseconds each) unless ``process`` is true, the command
+        is ``serve`` or ``run`` (which read the terminal and the pipe on stdin), or
+        ``LOCALM_TEST_CLI_PROCESS=1`` is set; then it is a real ``python -m
+        localm.kernel`` subprocess (``timeout`` applies only there). Either way the result is
+        a ``CompletedProcess`` with ``returncode``, ``stdout`` and ``stderr``; an exception
+        the command did not handle is a returncode of 1 with its traceback in ``stderr``, as
+        the interpreter would print it."""
+        if process is None:
+            process = os.environ.get("LOCALM_TEST_CLI_PROCESS") == "1" or (bool(args) and args[0] in PROCESS_COMMANDS)
         cmd = [sys.executable, "-m", "localm.kernel", "--data-dir", str(self.data_dir), *args]
-        return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **self.env, **(env or {})})
+        extra = {**self.env, **(env or {})}
+        if process:
+            return subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, **extra})
+        return _cli_in_process(cmd, input, extra)
+
+
+def _cli_in_process(cmd: list[str], input: str | None, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``localm ARGS`` (``cmd`` after ``-m localm.kernel``) through Click's test runner, with
+    ``env`` set for the call as the subprocess would see it."""
+    import traceback
+
+    from click.testing import CliRunner
+
+    from localm.kernel.cli import main
+
+    runner = CliRunner(env=env)
+    result = runner.invoke(main, cmd[3:], input=input, prog_name="localm", catch_exceptions=True)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(cmd, result.exit_code, result.stdout, stderr)
 
 
 @pytest.fixture
