@@ -92,8 +92,12 @@ class ModelManager:
             for name in engines:
                 if entry.type in formats.get(name, ((), ()))[slot]:
                     return name
-        raise LocalmError(503, f"No active engine can run {entry.type} models: enable an engine plugin that serves "
-                               "them (localm plugin list shows the Engines group)", code="no_engine")
+        plugins = self._kernel.plugins.plugins.values()
+        could = sorted(p.name for p in plugins if p.manifest is not None and not p.active
+                       and entry.type in p.manifest.engine_formats)
+        hint = (f"enable the {' or '.join(could)} plugin" if could
+                else "enable an engine plugin that serves them (localm plugin list shows the Engines group)")
+        raise LocalmError(503, f"No active engine can run {entry.type} models: {hint}", code="no_engine")
 
     # --- loading --------------------------------------------------------------------
     async def load(self, name: str | None) -> tuple[Resident, bool]:

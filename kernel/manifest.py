@@ -18,6 +18,7 @@ priority = 0                 # order among plugins implementing the same chat ho
 hook_priority = {}           # per hook, in place of priority: {chat_stream = 100} runs its stream hook late
 commands = ["hello"]         # CLI command names it adds (`localm hello ...`)
 model_formats = []           # model file formats it teaches the registry (register_model_formats)
+engine_formats = []          # model file formats its engines serve: the hint when no engine runs a model
 model_sources = []           # pull source schemes it serves, e.g. "openai+http" (register_model_providers)
 installers = []              # what it installs as plugins from a file that is not one (register_installers)
 label = "Hello"
@@ -140,6 +141,9 @@ class Manifest:
     #: imports the plugin for ``localm pull`` / ``localm rm`` only when it lists one
     model_formats: tuple[str, ...] = ()
     model_sources: tuple[str, ...] = ()
+    #: the model file formats its engines serve (register_engines' formats and fallback):
+    #: when no active engine runs a model, the refusal names the plugins to enable
+    engine_formats: tuple[str, ...] = ()
     #: the installers it registers (a file that is not a plugin folder, written as plugins):
     #: the CLI imports the plugin for ``localm plugin install FILE`` only when it lists one
     installers: tuple[str, ...] = ()
