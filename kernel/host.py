@@ -96,6 +96,12 @@ class Host:
                               code="service_unavailable")
         return found[1]
 
+    @property
+    def chat(self) -> Any:
+        """The chat service (``localm.sdk.chat.ChatService``): every chat surface's way to a
+        model; a 503 while no active plugin provides it."""
+        return self.service("chat")
+
     def has_service(self, name: str) -> bool:
         return name in self._services
 

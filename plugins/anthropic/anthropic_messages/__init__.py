@@ -1,6 +1,6 @@
 """The anthropic plugin: POST /v1/messages and /v1/messages/count_tokens (the Anthropic Messages API).
 
-A thin surface over the chat service (``host.service("chat")``): the request is read into
+A thin surface over the chat service (``host.chat``): the request is read into
 an OpenAI chat body (``translate``), generated on the one chat path, and rendered as an
 Anthropic message or Anthropic's server-sent events (``render``). Errors on these routes
 take Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
@@ -29,7 +29,7 @@ async def _body(request: sdk.Request) -> Any:
           summary="Anthropic Messages", body=schema.AnthropicMessagesRequest, errors=schema.ERRORS)
 async def messages(request: sdk.Request) -> Any:
     received = time.perf_counter()
-    chat = sdk.host_of(request).service("chat")
+    chat = sdk.host_of(request).chat
     raw = await _body(request)
     body = to_chat_body(raw)
     gen = await chat.chat(body, route=ROUTE, request=request, extra=unread(raw), received=received)
@@ -48,7 +48,7 @@ async def messages(request: sdk.Request) -> Any:
 @sdk.post("/v1/messages/count_tokens", scope=None, access="inference", error_family="anthropic", opt=OPT,
           summary="Anthropic token count", body=schema.AnthropicCountRequest, errors=schema.ERRORS)
 async def count_tokens(request: sdk.Request) -> dict[str, int]:
-    chat = sdk.host_of(request).service("chat")
+    chat = sdk.host_of(request).chat
     raw = await _body(request)
     body = to_chat_body(raw, counting=True)
     return {"input_tokens": await chat.count_tokens(body, route="anthropic.count_tokens", request=request,

@@ -86,7 +86,7 @@ async def chat_completions(request: sdk.Request) -> Any:
         return await scoring.serve(request, "chat", body)
     if not isinstance(body, dict):
         body = {"": body}  # the reader refuses it with its 422
-    gen = await host.service("chat").chat(body, route="chat.completions", request=request, report=True,
+    gen = await host.chat.chat(body, route="chat.completions", request=request, report=True,
                                           received=received)
     options, outcome = gen.options, gen.outcome
     ident = "chatcmpl-" + secrets.token_hex(12)
@@ -165,7 +165,7 @@ async def completions(request: sdk.Request) -> Any:
         return await scoring.serve(request, "completions", body)
     if not isinstance(body, dict):
         body = {"": body}
-    gen = await host.service("chat").complete(body, route="completions", request=request, report=True,
+    gen = await host.chat.complete(body, route="completions", request=request, report=True,
                                               received=received)
     options, outcome = gen.options, gen.outcome
     prompt_text = body["prompt"] if isinstance(body["prompt"], str) else body["prompt"][0]
@@ -240,7 +240,7 @@ async def embeddings(request: sdk.Request) -> sdk.Response:
     headers = fields.check("embeddings", r.body, request.headers)
     if fmt not in ("float", "base64"):
         raise sdk.LocalmError(400, "encoding_format must be float or base64")
-    entry, vectors, tokens = await host.service("chat").embed(model, texts)
+    entry, vectors, tokens = await host.chat.embed(model, texts)
 
     def encode(vector: list[float]) -> Any:
         if fmt == "float":

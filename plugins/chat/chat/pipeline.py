@@ -12,34 +12,14 @@ from typing import Any
 
 import attrs
 from localm import sdk
+from localm.sdk import chat as chat_types
 from localm.sdk import engines as spec
 
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+([\w.+-]+)")
 
 
-@attrs.frozen
-class Status:
-    code: str
-    text: str
-
-
-@attrs.frozen
-class Piece:
-    """Visible reply text, with the log probabilities of the tokens that spell it (when asked)."""
-    text: str
-    logprobs: tuple[dict[str, Any], ...] = ()
-
-
-@attrs.frozen
-class Reasoning:
-    """Text of the model's <think> block."""
-    text: str
-
-
-@attrs.frozen
-class Call:
-    """One tool call, read whole from the reply."""
-    call: dict[str, Any]
+# the reply's items, and a generation's end: the SDK's, so other plugins can name them
+Status, Piece, Reasoning, Call = chat_types.Status, chat_types.Piece, chat_types.Reasoning, chat_types.Call
 
 
 @attrs.frozen
@@ -58,24 +38,7 @@ class Plan:
     background: bool = False  # a front end's background task: queued after interactive requests
 
 
-@attrs.define
-class Outcome:
-    finish_reason: str = "stop"
-    stop_sequence: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    #: prompt tokens a cache held (the engine did not compute them)
-    cached_tokens: int = 0
-    ttft_ms: float | None = None
-    tokens_per_sec: float | None = None
-    context_capacity: int = 0
-    error: str | None = None
-    #: the engine ended the reply itself (end of turn or a completed grammar), not a cap or a stop sequence
-    ended_by_model: bool = False
-    calls: list[dict[str, Any]] = attrs.Factory(list)
-    #: the generated token ids, and the engine's activation reads when the plan asked for any
-    token_ids: list[int] = attrs.Factory(list)
-    activations: dict[tuple[int, str], Any] | None = None
+Outcome = chat_types.Outcome
 
 
 def redact(text: str) -> str:

@@ -4,7 +4,7 @@ A reranker is a model registered with the role ``reranker`` (a cross-encoder: a 
 Face ``...ForSequenceClassification`` folder, or a GGUF file with rank pooling). Its engine
 scores each (query, document) pair with its classifier head (``engine.rerank``). POST
 /v1/rerank serves it in the Jina / Cohere / llama-server shape, and other plugins (RAG)
-reach the same path through ``host.service("chat").rerank(...)``.
+reach the same path through ``host.chat.rerank(...)``.
 
 One reranker is resident at a time (the model manager unloads one to load another).
 """
@@ -155,7 +155,7 @@ async def rerank_route(request: sdk.Request) -> sdk.Response:
     body, model, query, texts, top_n, back = read_body(await sdk.json_body(request, require_object=False,
                                                                           refuse=_not_json))
     headers = fields.check("rerank", body, request.headers)
-    entry, results, tokens = await host.service("chat").rerank(model, query, texts, top_n=top_n)
+    entry, results, tokens = await host.chat.rerank(model, query, texts, top_n=top_n)
     if back:
         for item in results:
             item["document"] = {"text": texts[item["index"]]}

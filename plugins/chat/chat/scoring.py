@@ -289,7 +289,7 @@ async def serve(request: Any, route: str, body: Any) -> sdk.Response:
     host = sdk.host_of(request)
     entry = host.models.resolve(ask.model)
     if entry.role in ("stt", "tts"):  # a speech model has no tokens to score
-        host.service("chat").check_chat_model(entry)
+        host.chat.check_chat_model(entry)
     scored: list[tuple[list[int], list[tuple[int, float]]]] = []
     async with host.models.use(entry.id) as resident:
         engine = resident.engine

@@ -1,6 +1,6 @@
 """The chat service: one generation path for every surface.
 
-The chat plugin provides it to other plugins as ``host.service("chat")``. A surface (the
+The chat plugin provides it to other plugins as ``host.chat``. A surface (the
 OpenAI routes here; the Ollama, Anthropic and Responses plugins) parses its own request
 into an OpenAI chat-completions body, hands it to :meth:`ChatService.chat` (or a prompt to
 :meth:`ChatService.complete`), and renders what the returned :class:`Generation` yields:

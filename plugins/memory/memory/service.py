@@ -207,7 +207,7 @@ class Memory:
         if entry is None:
             return None, None, reason
         try:
-            _, vectors, _ = await self.host.service("chat").embed(entry.id, texts)
+            _, vectors, _ = await self.host.chat.embed(entry.id, texts)
         except sdk.LocalmError as exc:
             log.warning("memory: embedding failed: %s", exc.detail)
             return None, None, "embedder_failed"
@@ -402,7 +402,7 @@ class Memory:
                             "fact contradicts a saved one, put the saved fact's id in replaces, else null.")},
                         {"role": "user", "origin": "client",
                          "content": f"Saved facts:\n{known}\n\nThe user's messages:\n{lines}"}]}
-            gen = await self.host.service("chat").chat(body, route=ROUTE)
+            gen = await self.host.chat.chat(body, route=ROUTE)
             reply = await gen.reply()
             facts, cut = parse_facts(reply.text, schema), False
             if facts is None and gen.outcome.finish_reason in ("length", "error"):

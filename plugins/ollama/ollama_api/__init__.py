@@ -182,7 +182,7 @@ def _call(call: dict[str, Any], index: int) -> dict[str, Any]:
 async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, Any], raw: bool, entry: Any,
                   name: str, keep: float | None, stream: bool, ignored: list[str], extra: dict[str, Any],
                   received: float) -> Any:
-    chat = host.service("chat")
+    chat = host.chat
     chat.check_chat_model(entry)  # an embedding model is refused, not loaded
     load_s = await _ensure_loaded(host, entry)
     ready = time.perf_counter()
@@ -334,7 +334,7 @@ async def _embed(request: sdk.Request, legacy: bool) -> tuple[Any, dict[str, Any
     body = await _body(request)
     name = _model_name(body)
     entry = resolve(host, name)
-    host.service("chat").check_embedding_model(entry)  # a speech model or a reranker: refused, not loaded
+    host.chat.check_embedding_model(entry)  # a speech model or a reranker: refused, not loaded
     keep = translate.keep_alive(body.get("keep_alive"))
     ignored: list[str] = []
     if legacy:
@@ -370,7 +370,7 @@ async def _embed(request: sdk.Request, legacy: bool) -> tuple[Any, dict[str, Any
         if texts:
             if truncate:
                 texts = await _truncated(host, entry, texts)
-            _, vectors, tokens = await host.service("chat").embed(entry.id, texts)
+            _, vectors, tokens = await host.chat.embed(entry.id, texts)
     finally:
         await _release(host, entry, keep)
     if legacy:
@@ -441,7 +441,7 @@ def _pull_failure(exc: Exception, source: str, redact: Any) -> sdk.LocalmError:
           body=schema.OllamaPullRequest, errors={**schema.MODEL_ERRORS, 500: "The source is not a model"})
 async def pull_route(request: sdk.Request) -> Any:
     host = sdk.host_of(request)
-    redact = host.service("chat").redact
+    redact = host.chat.redact
     body = await _body(request)
     source = _model_name(body)
     stream = field(body, "stream", (bool,), "true or false", True)

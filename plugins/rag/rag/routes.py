@@ -403,7 +403,7 @@ async def embedding_select(request: sdk.Request) -> dict[str, Any]:
         if chosen is None:
             raise sdk.LocalmError(404, f"{model} could not be installed")
         ctx.progress(None, f"checking {chosen.id}")
-        _, vectors, _ = await k.host.service("chat").embed(chosen.id, ["localm"])
+        _, vectors, _ = await k.host.chat.embed(chosen.id, ["localm"])
         plugin.save_settings({"embedding_model": model})
         return {"dim": len(vectors[0]) if vectors else None, "reembed": affected}
 

@@ -1,6 +1,6 @@
 """The knowledge service: indexing jobs, searches, and the embedder and reranker they use.
 
-Every vector comes from localm's own embedder (``host.service("chat").embed``), the model
+Every vector comes from localm's own embedder (``host.chat.embed``), the model
 named by the ``embedding_model`` setting; a collection remembers the model and dimension it
 was built with, and searches with vectors only under that same model. Without an embedder
 a collection is indexed and searched lexically, and says why (``vector_degrade_reason``).
@@ -112,7 +112,7 @@ class Knowledge:
         return entry, None
 
     async def embed(self, entry: Any, texts: list[str]) -> list[list[float]]:
-        _, vectors, _ = await self.host.service("chat").embed(entry.id, texts)
+        _, vectors, _ = await self.host.chat.embed(entry.id, texts)
         if vectors:
             self._dims[entry.id] = len(vectors[0])
         return vectors
@@ -512,7 +512,7 @@ class Knowledge:
             if rerank_model is not None:
                 top = candidates[: int(self.settings.get("rerank_candidates", 20))]
                 try:
-                    _, results, _ = await self.host.service("chat").rerank(
+                    _, results, _ = await self.host.chat.rerank(
                         rerank_model, asked, [rows[c.id].text for c in top])
                 except sdk.LocalmError as exc:
                     note = f"not reranked: {exc.detail}"
