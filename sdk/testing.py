@@ -132,6 +132,7 @@ class LocalmServer:
         a ``CompletedProcess`` with ``returncode``, ``stdout`` and ``stderr``; an exception
         the command did not handle is a returncode of 1 with its traceback in ``stderr``, as
         the interpreter would print it."""
+        args = tuple(os.fspath(a) for a in args)  # a path argument, as subprocess takes it
         if process is None:
             process = os.environ.get("LOCALM_TEST_CLI_PROCESS") == "1" or (bool(args) and args[0] in PROCESS_COMMANDS)
         cmd = [sys.executable, "-m", "localm.kernel", "--data-dir", str(self.data_dir), *args]

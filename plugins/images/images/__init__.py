@@ -69,19 +69,16 @@ class Images:
         #: generation unloads are loaded again before the next one starts
         self.turn = asyncio.Lock()
 
+    def start(self) -> None:
+        workflows.install_shipped(SHIPPED, self.workflows)
+        self.plugin.add_settings([], validate=_validator(self.plugin, self.workflows))
+
+    async def stop(self) -> None:
+        await self.comfy.close()
+
     @property
     def settings(self) -> dict[str, Any]:
         return self.plugin.settings
-
-
-_STATE: dict[str, Images] = {}
-
-
-def current() -> Images:
-    state = _STATE.get("images")
-    if state is None:
-        raise sdk.LocalmError(503, "The images plugin is not running", code="service_unavailable")
-    return state
 
 
 def _validator(plugin: Any, folder: Path) -> Any:
@@ -109,18 +106,9 @@ def _validator(plugin: Any, folder: Path) -> Any:
 
 
 @sdk.hookimpl
-def startup(host: Any, plugin: Any) -> None:
-    state = Images(host, plugin)
-    workflows.install_shipped(SHIPPED, state.workflows)
-    plugin.add_settings([], validate=_validator(plugin, state.workflows))
-    _STATE["images"] = state
-
-
-@sdk.hookimpl
-async def shutdown() -> None:
-    state = _STATE.pop("images", None)
-    if state is not None:
-        await state.comfy.close()
+def create_service(host: Any, plugin: Any) -> Images:
+    """ComfyUI, the workflows and the gallery (routes: ``sdk.service_of(request)``)."""
+    return Images(host, plugin)
 
 
 @sdk.hookimpl

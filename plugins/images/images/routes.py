@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 from localm import sdk
 
-from . import Settings, current, generate, workflows
+from . import Settings, generate, workflows
 
 STATUS_TIMEOUT = 15.0
 STOP_TIMEOUT = 30.0
@@ -73,7 +73,7 @@ def _format(spec: generate.Spec, host: Any) -> str:
 @sdk.post("/v1/images/generations", access="inference", error_family="openai",
           summary="Generate images from a prompt with the active ComfyUI workflow (OpenAI Images API)")
 async def generations(request: sdk.Request) -> sdk.Response:
-    state = current()
+    state = sdk.service_of(request)
     spec = generate.parse(await generate.read_body(request), openai=True)
     generate.plan(state, spec)
     fmt = _format(spec, sdk.host_of(request))
@@ -101,7 +101,7 @@ async def generations(request: sdk.Request) -> sdk.Response:
 
 @sdk.post("/api/imagine", summary="Generate images as a background job; follow /api/jobs/{id}/events")
 async def imagine(request: sdk.Request) -> dict[str, Any]:
-    state = current()
+    state = sdk.service_of(request)
     spec = generate.parse(await generate.read_body(request), openai=False)
     generate.plan(state, spec)
     job = generate.start(request, state, spec, keep_b64=True)
@@ -112,13 +112,13 @@ async def imagine(request: sdk.Request) -> dict[str, Any]:
 
 @sdk.get("/api/imagine/gallery", summary="The images this key made (every image, for the owner), newest first")
 async def gallery(request: sdk.Request) -> dict[str, Any]:
-    items = await asyncio.to_thread(current().gallery.listing, sdk.caller(request))
+    items = await asyncio.to_thread(sdk.service_of(request).gallery.listing, sdk.caller(request))
     return {"images": [{**item, "url": f"/api/imagine/file/{item['name']}"} for item in items]}
 
 
 @sdk.get("/api/imagine/file/{name:str}", summary="One gallery image (to the key that made it, or the owner)")
 async def gallery_file(request: sdk.Request, name: str) -> sdk.Response:
-    path, _ = await asyncio.to_thread(current().gallery.find, name, sdk.caller(request))
+    path, _ = await asyncio.to_thread(sdk.service_of(request).gallery.find, name, sdk.caller(request))
     png = await asyncio.to_thread(path.read_bytes)
     return sdk.Response(png, media_type="image/png",
                         headers={"Content-Disposition": f'inline; filename="{name}"', "Cache-Control": "private"})
@@ -126,13 +126,13 @@ async def gallery_file(request: sdk.Request, name: str) -> sdk.Response:
 
 @sdk.delete("/api/imagine/gallery/{name:str}", summary="Delete a gallery image and its sidecar")
 async def gallery_delete(request: sdk.Request, name: str) -> dict[str, Any]:
-    await asyncio.to_thread(current().gallery.delete, name, sdk.caller(request))
+    await asyncio.to_thread(sdk.service_of(request).gallery.delete, name, sdk.caller(request))
     return {"status": "deleted", "name": name}
 
 
 @sdk.get("/api/imagine/workflows", summary="The workflows, which is active, and which input takes each field")
 async def list_workflows(request: sdk.Request) -> dict[str, Any]:
-    state = current()
+    state = sdk.service_of(request)
     return {"active": state.settings["workflow"],
             "workflows": await asyncio.to_thread(workflows.listing, state.workflows)}
 
@@ -148,17 +148,17 @@ async def _timed(coro: Any, seconds: float, what: str) -> Any:
 
 @sdk.get("/v1/comfy/status", scope="config:read", summary="Whether ComfyUI answers, and whether localm started it")
 async def comfy_status(request: sdk.Request) -> dict[str, Any]:
-    return await _timed(current().comfy.status(), STATUS_TIMEOUT, "asking ComfyUI for its status")
+    return await _timed(sdk.service_of(request).comfy.status(), STATUS_TIMEOUT, "asking ComfyUI for its status")
 
 
 @sdk.post("/v1/comfy/stop", scope="config:write", summary="Stop the ComfyUI localm started")
 async def comfy_stop(request: sdk.Request) -> dict[str, Any]:
-    return await _timed(current().comfy.stop(), STOP_TIMEOUT, "stopping ComfyUI")
+    return await _timed(sdk.service_of(request).comfy.stop(), STOP_TIMEOUT, "stopping ComfyUI")
 
 
 @sdk.post("/v1/comfy/restart", scope="config:write", summary="Start (again) the ComfyUI localm launches")
 async def comfy_restart(request: sdk.Request) -> dict[str, Any]:
-    state = current()
+    state = sdk.service_of(request)
     seconds = STOP_TIMEOUT + float(state.settings["start_timeout"]) + 5
     return await _timed(state.comfy.restart(), seconds, "restarting ComfyUI")
 

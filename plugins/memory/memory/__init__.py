@@ -10,17 +10,12 @@ it for users.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import Any
 
 import attrs
 from localm import sdk
 
 from .service import Memory
-
-_STATE: dict[str, Memory] = {}
-
 
 @attrs.frozen
 class Settings:
@@ -40,28 +35,10 @@ class Settings:
                                        description="The registered embedding model recall compares meanings with")
 
 
-def current() -> Memory:
-    m = _STATE.get("memory")
-    if m is None:
-        raise sdk.LocalmError(503, "The memory plugin is not running", code="service_unavailable")
-    return m
-
-
 @sdk.hookimpl
-def startup(host: Any, plugin: Any) -> None:
-    m = Memory(host, plugin)
-    _STATE["memory"] = m
-    with contextlib.suppress(RuntimeError):  # no event loop: the CLI
-        m.timer = asyncio.get_running_loop().create_task(m.every())
-
-
-@sdk.hookimpl
-def shutdown() -> None:
-    m = _STATE.pop("memory", None)
-    if m is not None:
-        if m.timer is not None:
-            m.timer.cancel()
-        m.store.release()
+def create_service(host: Any, plugin: Any) -> Memory:
+    """The facts store and its consolidation timer (routes: ``sdk.service_of(request)``)."""
+    return Memory(host, plugin)
 
 
 @sdk.hookimpl
@@ -81,16 +58,13 @@ def register_routes(register: Any) -> None:
 
 
 @sdk.hookimpl
-async def chat_inlet(request: Any, context: Any) -> Any:
-    m = _STATE.get("memory")
-    if m is None or not isinstance(request, dict):
+async def chat_inlet(request: Any, context: Any, plugin: Any) -> Any:
+    if not isinstance(request, dict):
         return None
-    return await m.inlet(request, context)
+    return await plugin.service.inlet(request, context)
 
 
 @sdk.hookimpl
-async def chat_outlet(response: Any, context: Any) -> Any:
-    m = _STATE.get("memory")
-    if m is not None:
-        await m.outlet(context)
+async def chat_outlet(response: Any, context: Any, plugin: Any) -> Any:
+    await plugin.service.outlet(context)
     return None

@@ -9,7 +9,7 @@ from typing import Any
 
 from localm import sdk
 
-from . import current, schema
+from . import schema
 from .service import clean
 from .store import KINDS, MAX_CHARS, item, pack
 
@@ -46,8 +46,8 @@ def _importance(body: dict[str, Any], default: float | None) -> float | None:
 
 
 @sdk.get("/api/memory", summary="The saved facts, pending corrections, and whether memory is writable")
-async def read_memory() -> dict[str, Any]:
-    m = current()
+async def read_memory(request: sdk.Request) -> dict[str, Any]:
+    m = sdk.service_of(request)
     rows = await asyncio.to_thread(m.store.facts)
     corrections = await asyncio.to_thread(m.store.corrections) if m.writable else []
     return {"text": "\n".join(r["text"] for r in rows), "writable": m.writable, "items": [item(r) for r in rows],
@@ -62,7 +62,7 @@ async def read_memory() -> dict[str, Any]:
 @sdk.put("/api/memory", summary="Bulk edit: one fact per line", body=schema.BulkEdit, errors=schema.WRITE,
           request_max_body_size=MAX_BODY)
 async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
-    m = current()
+    m = sdk.service_of(request)
     m.check_writable()
     body = await _body(request)
     if not isinstance(body.get("text"), str):
@@ -106,7 +106,7 @@ async def bulk_edit(request: sdk.Request) -> dict[str, Any]:
 @sdk.post("/api/memory/append", summary="Add one fact", body=schema.Append, errors=schema.WRITE,
           request_max_body_size=MAX_BODY)
 async def append(request: sdk.Request) -> dict[str, Any]:
-    m = current()
+    m = sdk.service_of(request)
     m.check_writable()
     body = await _body(request)
     text = _text(body)
@@ -135,7 +135,7 @@ async def append(request: sdk.Request) -> dict[str, Any]:
 @sdk.patch("/api/memory/{fact_id:str}", summary="Edit one fact's text or importance", body=schema.Edit,
            errors={**schema.WRITE, 404: "No such fact (fact_not_found)"}, request_max_body_size=MAX_BODY)
 async def edit(request: sdk.Request, fact_id: str) -> dict[str, Any]:
-    m = current()
+    m = sdk.service_of(request)
     m.check_writable()
     body = await _body(request)
     if "text" not in body and "importance" not in body:
@@ -178,8 +178,8 @@ async def edit(request: sdk.Request, fact_id: str) -> dict[str, Any]:
 
 @sdk.delete("/api/memory/{fact_id:str}", summary="Delete one fact (it is archived)",
             errors={403: "Memory is in privacy mode (privacy_mode)"})
-async def forget(fact_id: str) -> dict[str, Any]:
-    m = current()
+async def forget(request: sdk.Request, fact_id: str) -> dict[str, Any]:
+    m = sdk.service_of(request)
     m.check_writable()
 
     def drop() -> str:
@@ -194,8 +194,7 @@ async def forget(fact_id: str) -> dict[str, Any]:
     return {"status": status, "id": fact_id}
 
 
-async def _correction(correction_id: str, accept: bool) -> dict[str, Any]:
-    m = current()
+async def _correction(m: Any, correction_id: str, accept: bool) -> dict[str, Any]:
     m.check_writable()
     entry, vectors = None, None
     found = next((c for c in await asyncio.to_thread(m.store.corrections) if c["id"] == correction_id), None)
@@ -238,32 +237,32 @@ async def _correction(correction_id: str, accept: bool) -> dict[str, Any]:
 
 @sdk.post("/api/memory/corrections/{correction_id:str}/accept", summary="Apply a proposed correction",
           errors={403: "Memory is in privacy mode", 404: "No such correction (correction_not_found)"})
-async def accept(correction_id: str) -> dict[str, Any]:
-    return await _correction(correction_id, True)
+async def accept(request: sdk.Request, correction_id: str) -> dict[str, Any]:
+    return await _correction(sdk.service_of(request), correction_id, True)
 
 
 @sdk.post("/api/memory/corrections/{correction_id:str}/reject", summary="Discard a proposed correction",
           errors={403: "Memory is in privacy mode", 404: "No such correction (correction_not_found)"})
-async def reject(correction_id: str) -> dict[str, Any]:
-    return await _correction(correction_id, False)
+async def reject(request: sdk.Request, correction_id: str) -> dict[str, Any]:
+    return await _correction(sdk.service_of(request), correction_id, False)
 
 
 @sdk.post("/api/memory/consolidate", summary="Distil durable facts from recent sessions now")
-async def consolidate() -> dict[str, Any]:
-    return await current().consolidate()
+async def consolidate(request: sdk.Request) -> dict[str, Any]:
+    return await sdk.service_of(request).consolidate()
 
 
 @sdk.get("/api/memory/forgotten", summary="Archived (forgotten) facts, for recovery")
-async def forgotten() -> dict[str, Any]:
-    m = current()
+async def forgotten(request: sdk.Request) -> dict[str, Any]:
+    m = sdk.service_of(request)
     return {"items": await asyncio.to_thread(m.store.forgotten)}
 
 
 @sdk.post("/api/memory/forgotten/{archive_id:str}/restore", summary="Bring an archived fact back",
           errors={403: "Memory is in privacy mode", 404: "No such archived fact (archive_not_found)",
                   413: "Past the memory's caps"})
-async def restore(archive_id: str) -> dict[str, Any]:
-    m = current()
+async def restore(request: sdk.Request, archive_id: str) -> dict[str, Any]:
+    m = sdk.service_of(request)
     m.check_writable()
 
     def back() -> Any:

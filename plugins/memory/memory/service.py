@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.metadata as md
 import json
@@ -153,6 +154,15 @@ class Memory:
         self.consolidating = asyncio.Lock()
         self.timer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        with contextlib.suppress(RuntimeError):  # no event loop: the CLI
+            self.timer = asyncio.get_running_loop().create_task(self.every())
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.store.release()
 
     @property
     def settings(self) -> dict[str, Any]:

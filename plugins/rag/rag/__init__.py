@@ -15,9 +15,6 @@ from localm import sdk
 
 from .service import DEFAULT_EMBEDDER, Knowledge
 
-_STATE: dict[str, Knowledge] = {}
-
-
 @attrs.frozen
 class Settings:
     embedding_model: str = sdk.setting(
@@ -51,24 +48,10 @@ class Settings:
                                             "consents), strict (refused), open (allowed)")
 
 
-def current() -> Knowledge:
-    k = _STATE.get("knowledge")
-    if k is None:
-        raise sdk.LocalmError(503, "The rag plugin is not running", code="service_unavailable")
-    return k
-
-
 @sdk.hookimpl
-def startup(host: Any, plugin: Any) -> None:
-    k = Knowledge(host, plugin)
-    k.store.tidy()
-    _STATE["knowledge"] = k
-    host.provide("rag", k, plugin=plugin.name)
-
-
-@sdk.hookimpl
-def shutdown() -> None:
-    _STATE.pop("knowledge", None)
+def create_service(host: Any, plugin: Any) -> Knowledge:
+    """The collections (routes: ``sdk.service_of(request)``; other plugins: ``host.service("rag")``)."""
+    return Knowledge(host, plugin)
 
 
 @sdk.hookimpl
@@ -88,9 +71,9 @@ def register_routes(register: Any) -> None:
 
 
 @sdk.hookimpl
-async def chat_inlet(request: Any, context: Any) -> Any:
-    k = _STATE.get("knowledge")
-    if k is None or not isinstance(request, dict):
+async def chat_inlet(request: Any, context: Any, plugin: Any) -> Any:
+    k = plugin.service
+    if not isinstance(request, dict):
         return None
     from . import chat
     return await chat.inlet(k, request, context)

@@ -10,7 +10,7 @@ from typing import Any
 
 from localm import sdk
 
-from . import current, extract, policy, schema
+from . import extract, policy, schema
 from .service import (DEFAULT_EMBEDDER, INTERNAL, MAX_FILE_BYTES, MAX_PATHS, MAX_QUERY_CHARS, MAX_UPLOAD_BYTES,
                       Source, plain_paths)
 
@@ -73,14 +73,14 @@ def _decode(item: Any, index: int) -> tuple[str, bytes]:
 
 @sdk.get("/api/rag/collections", summary="List knowledge collections with their stats")
 async def list_collections(request: sdk.Request) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     return {"collections": await asyncio.to_thread(k.listing, sdk.caller(request))}
 
 
 @sdk.post("/api/rag/collections", summary="Create an empty knowledge collection", body=schema.NewCollection,
           errors={400: "An invalid collection name (invalid_collection_name)", 409: "It exists (collection_exists)"})
 async def create_collection(request: sdk.Request) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     body = await _body(request)
     col = await asyncio.to_thread(k.store.create, body.get("name"))
     return await asyncio.to_thread(k.stats, col, k.find_model(k.embedder_name()))
@@ -89,7 +89,7 @@ async def create_collection(request: sdk.Request) -> dict[str, Any]:
 @sdk.get("/api/rag/collections/{name:str}", summary="One collection's stats and documents", params=schema.NAME,
          errors=schema.COLLECTION)
 async def get_collection(request: sdk.Request, name: str) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     col = await asyncio.to_thread(k.open, name, sdk.caller(request))
 
     caller = sdk.caller(request)
@@ -106,7 +106,7 @@ async def get_collection(request: sdk.Request, name: str) -> dict[str, Any]:
 @sdk.delete("/api/rag/collections/{name:str}", summary="Delete a collection and its index", params=schema.NAME,
             errors=schema.COLLECTION)
 async def delete_collection(request: sdk.Request, name: str) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     await asyncio.to_thread(k.open, name, sdk.caller(request))
     await asyncio.to_thread(k.store.delete, name)
     return {"status": "deleted", "name": name}
@@ -118,7 +118,7 @@ async def delete_collection(request: sdk.Request, name: str) -> dict[str, Any]:
                                            "(path_not_found), a flag that is not true or false",
                   409: "Paths outside the allowed folders that need consent, or the collection is being written"})
 async def add(request: sdk.Request, name: str) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     body = await _body(request)
     col = await asyncio.to_thread(k.store.get, name)
     paths = body.get("paths")
@@ -157,7 +157,7 @@ async def add(request: sdk.Request, name: str) -> dict[str, Any]:
                                            "content_b64, content that is not base64 (invalid_base64)",
                   413: "A body over 100 MB (request_too_large) or a file over 30 MB (file_too_large)"})
 async def upload(request: sdk.Request, name: str) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     body = await _body(request, limit=MAX_UPLOAD_BYTES)
     col = await asyncio.to_thread(k.open, name, sdk.caller(request))
     files = body.get("files")
@@ -183,7 +183,7 @@ async def upload(request: sdk.Request, name: str) -> dict[str, Any]:
           body=schema.Query, errors={**schema.COLLECTION, 400: "An empty query (empty_query), or a field of the "
                                                                "wrong type or value (invalid_parameter)"})
 async def query(request: sdk.Request, name: str) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     body = await _body(request)
     col = await asyncio.to_thread(k.open, name, sdk.caller(request))
     text = body.get("query")
@@ -212,7 +212,7 @@ async def query(request: sdk.Request, name: str) -> dict[str, Any]:
 @sdk.post("/api/rag/collections/{name:str}/reembed", summary="Recompute a collection's vectors (a job)",
           params=schema.NAME, errors={**schema.COLLECTION, 400: "No embedding model is available (no_embedder)"})
 async def reembed(request: sdk.Request, name: str) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     col = await asyncio.to_thread(k.open, name, sdk.caller(request))
     entry, reason = await k.embedder()
     if entry is None:
@@ -228,7 +228,7 @@ async def reembed(request: sdk.Request, name: str) -> dict[str, Any]:
           errors={**schema.COLLECTION, 400: "Nothing to repair (nothing_to_repair), or a flag that is not true or "
                                            "false"})
 async def repair(request: sdk.Request, name: str) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     body = await _body(request)
     caller = sdk.caller(request)
     col = await asyncio.to_thread(k.open, name, caller)
@@ -268,7 +268,7 @@ async def repair(request: sdk.Request, name: str) -> dict[str, Any]:
           params=schema.NAME, body=schema.RemoveDoc,
           errors={**schema.COLLECTION, 404: "No such collection, or the document is not in it (doc_not_found)"})
 async def remove_doc(request: sdk.Request, name: str) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     body = await _body(request)
     col = await asyncio.to_thread(k.open, name, sdk.caller(request))
     path = _text(body, "path")
@@ -308,8 +308,8 @@ async def extract_text(request: sdk.Request) -> dict[str, Any]:
 
 
 @sdk.get("/api/rag/rerank", summary="Whether knowledge results are reranked, and by what")
-async def rerank_state() -> dict[str, Any]:
-    k = current()
+async def rerank_state(request: sdk.Request) -> dict[str, Any]:
+    k = sdk.service_of(request)
     model, note = k.rerank_choice()
     enabled = bool(k.settings.get("rerank", False))
     return {"enabled": enabled, "installed": k.rerankers(), "model": model,
@@ -319,7 +319,7 @@ async def rerank_state() -> dict[str, Any]:
 
 @sdk.get("/api/rag/embedding", summary="The embedding model and whether it is ready")
 async def embedding_state(request: sdk.Request) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     name = k.embedder_name()
     try:
         entry = await asyncio.to_thread(k.find_model, name)
@@ -357,7 +357,7 @@ def _pull_job(k: Any, source: str, name: str, *, then: Any = None) -> Any:
 @sdk.post("/api/rag/embedding/download", scope="config:write",
           summary="Install the configured embedding model once (a job)")
 async def embedding_download(request: sdk.Request) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     name = k.embedder_name()
     if name not in INTERNAL:
         raise sdk.LocalmError(409, f"{name} is not one of localm's downloadable embedding models "
@@ -374,7 +374,7 @@ async def embedding_download(request: sdk.Request) -> dict[str, Any]:
                   404: "An unregistered model that localm cannot install (model_not_found)",
                   409: "A setup is already running (setup_running)", 422: "A reranker (not_an_embedder)"})
 async def embedding_select(request: sdk.Request) -> dict[str, Any]:
-    k = current()
+    k = sdk.service_of(request)
     if not policy.is_owner(sdk.caller(request)):
         raise sdk.LocalmError(403, "Changing the embedding model needs the owner (an admin key)", code="owner_only")
     body = await _body(request)

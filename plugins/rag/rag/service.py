@@ -66,6 +66,9 @@ class Knowledge:
         self._dims: dict[str, int] = {}
         self.setup_job: Any = None
 
+    def start(self) -> None:
+        self.store.tidy()
+
     @property
     def settings(self) -> dict[str, Any]:
         return self.plugin.settings

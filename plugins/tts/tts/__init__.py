@@ -15,9 +15,6 @@ from localm import sdk
 
 from .service import Speaker
 
-_STATE: dict[str, Speaker] = {}
-
-
 @attrs.frozen
 class Settings:
     tts_model: str = sdk.setting(
@@ -30,23 +27,14 @@ class Settings:
                                                                     "another is refused (503)")
 
 
-def current() -> Speaker:
-    speaker = _STATE.get("speaker")
-    if speaker is None:
-        raise sdk.LocalmError(503, "The tts plugin is not running", code="service_unavailable")
-    return speaker
-
-
 @sdk.hookimpl
-def startup(host: Any, plugin: Any) -> None:
-    speaker = Speaker(host, plugin)
-    _STATE["speaker"] = speaker
-    host.provide("tts", speaker, plugin=plugin.name)
+def create_service(host: Any, plugin: Any) -> Speaker:
+    """What the routes use (``sdk.service_of(request)``) and other plugins reach as ``host.service("tts")``."""
+    return Speaker(host, plugin)
 
 
 @sdk.hookimpl
 async def shutdown(host: Any) -> None:
-    _STATE.pop("speaker", None)
     await unload_own_models(host)
 
 

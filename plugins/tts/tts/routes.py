@@ -94,9 +94,7 @@ def check_language(entry: Any, language: str | None) -> None:
 @sdk.post("/v1/audio/speech", scope="tts", access="inference", error_family="openai",
           summary="OpenAI speech: text to speech with Piper")
 async def speech(request: sdk.Request) -> Any:
-    from . import current
-
-    speaker = current()
+    speaker = sdk.service_of(request)
     plugin = sdk.plugin_of(request)
     host = sdk.host_of(request)
     if "json" not in request.headers.get("content-type", "application/json"):
@@ -186,9 +184,7 @@ def _failure(exc: BaseException, entry: Any) -> sdk.LocalmError:
 @sdk.get("/v1/audio/voices", scope="tts", access="inference", expensive=False, error_family="openai",
          summary="The voices /v1/audio/speech speaks with")
 async def voices(request: sdk.Request) -> dict[str, Any]:
-    from . import current
-
-    speaker = current()
+    speaker = sdk.service_of(request)
     return {"object": "list", "data": [v for e in speaker.tts_models() for v in speaker.voices(e)]}
 
 

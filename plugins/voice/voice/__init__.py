@@ -16,9 +16,6 @@ from localm import sdk
 from .engine import MAX_MINUTES
 from .service import Voice
 
-_STATE: dict[str, Voice] = {}
-
-
 @attrs.frozen
 class Settings:
     voice_stt_model: str = sdk.setting(
@@ -43,23 +40,14 @@ class Settings:
                     "it is transcribed")
 
 
-def current() -> Voice:
-    voice = _STATE.get("voice")
-    if voice is None:
-        raise sdk.LocalmError(503, "The voice plugin is not running", code="service_unavailable")
-    return voice
-
-
 @sdk.hookimpl
-def startup(host: Any, plugin: Any) -> None:
-    voice = Voice(host, plugin)
-    _STATE["voice"] = voice
-    host.provide("voice", voice, plugin=plugin.name)
+def create_service(host: Any, plugin: Any) -> Voice:
+    """What the routes use (``sdk.service_of(request)``) and other plugins reach as ``host.service("voice")``."""
+    return Voice(host, plugin)
 
 
 @sdk.hookimpl
 async def shutdown(host: Any) -> None:
-    _STATE.pop("voice", None)
     await unload_own_models(host)
 
 
@@ -107,9 +95,9 @@ def register_routes(register: Any) -> None:
 
 
 @sdk.hookimpl
-async def chat_inlet(request: Any, context: Any) -> Any:
-    voice = _STATE.get("voice")
-    if voice is None or not isinstance(request, dict):
+async def chat_inlet(request: Any, context: Any, plugin: Any) -> Any:
+    voice = plugin.service
+    if not isinstance(request, dict):
         return None
     from . import chat
     return await chat.inlet(voice, request, context)

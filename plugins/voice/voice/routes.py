@@ -61,9 +61,7 @@ def read_options(fields: dict[str, list[str]]) -> tuple[str, set[str], Options, 
 @sdk.post("/v1/audio/transcriptions", scope="voice", access="inference", error_family="openai",
           request_max_body_size=2 * MAX_BODY, summary="OpenAI transcriptions: speech to text with Whisper")
 async def transcriptions(request: sdk.Request) -> sdk.Response:
-    from . import current
-
-    voice = current()
+    voice = sdk.service_of(request)
     form = await read_form(request)
     fmt, granularities, options, model = read_options(form.fields)
     if form.file is None:
