@@ -25,7 +25,7 @@ import sys
 import traceback
 import types
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 import pluggy
@@ -56,9 +56,10 @@ def builtin_root() -> Path | None:
     return _package_dir("localm.plugins")
 
 
-def store_roots() -> list[Path]:
+def store_roots(environ: Mapping[str, str] = os.environ) -> list[Path]:
+    """The plugin catalogs: the bundled store, then each folder of LOCALM_PLUGIN_STORE."""
     roots = [p for p in [_package_dir("localm.plugin_store")] if p is not None]
-    for extra in os.environ.get("LOCALM_PLUGIN_STORE", "").split(os.pathsep):
+    for extra in environ.get("LOCALM_PLUGIN_STORE", "").split(os.pathsep):
         if extra.strip():
             roots.append(Path(extra).expanduser())
     return roots

@@ -1,21 +1,30 @@
 """Test helpers for localm and its plugins: a real server on a free loopback port.
 
 Loaded as a pytest plugin (entry point ``localm``), it provides the ``localm_server``
-fixture: call it to start ``localm serve`` in a subprocess with chosen plugins and a
-temporary data dir; every server it started is stopped after the test::
+fixture: call it to start a server with chosen plugins and a temporary data dir; every
+server it started is stopped after the test::
 
     def test_hello(localm_server):
         server = localm_server(plugins=["hello"])
         assert server.client().get("/hello/ada").json() == {"greeting": "Hello, ada"}
+
+A server runs in the test's own process by default: the kernel and uvicorn on a thread,
+listening on a real loopback port, so clients still talk HTTP to it, and a plugin's heavy
+imports (torch, llama.cpp) are paid once per test run instead of once per server. It runs
+as a real ``localm serve`` subprocess when the test is about the process (a test marked
+``@pytest.mark.server_process``, or ``process=True``), when it is given serve arguments
+or an environment this process does not have, or when ``LOCALM_TEST_SERVER_PROCESS=1``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -30,18 +39,27 @@ START_TIMEOUT = float(os.environ.get("LOCALM_TEST_START_TIMEOUT", "60"))
 PROCESS_COMMANDS = ("serve", "run")
 
 
+#: The environment variable a server's ``env`` may set and still run in this process: the
+#: plugin catalog, which the kernel takes as an argument.
+IN_PROCESS_ENV = ("LOCALM_PLUGIN_STORE",)
+
+
 class LocalmServer:
-    """A ``localm serve`` subprocess with its own data dir."""
+    """A localm server with its own data dir: in this process, or a ``localm serve``
+    subprocess (``process=True``; see the module's docstring for when it is one anyway)."""
 
     def __init__(self, data_dir: Path, *, plugins: list[str] | None = None, env: dict[str, str] | None = None,
-                 model: str | None = None, host: str = "127.0.0.1", args: list[str] | None = None) -> None:
+                 model: str | None = None, host: str = "127.0.0.1", args: list[str] | None = None,
+                 process: bool | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.plugins = plugins
         self.env = dict(env or {})
         self.model = model
         self.host = host
         self.args = list(args or [])
+        self.process = self._needs_process() if process is None else process
         self.proc: subprocess.Popen[bytes] | None = None
+        self._thread: _InProcess | None = None
         self.url = ""
         self.port = 0
         self.token = ""
@@ -57,8 +75,17 @@ class LocalmServer:
             cmd.append(self.model)
         return cmd
 
+    def _needs_process(self) -> bool:
+        if os.environ.get("LOCALM_TEST_SERVER_PROCESS") == "1" or self.args:
+            return True
+        return any(os.environ.get(k) != v for k, v in self.env.items() if k not in IN_PROCESS_ENV)
+
     def start(self) -> "LocalmServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.process:
+            self._thread = _InProcess(self)
+            self.url, self.port, self.token = self._thread.start()
+            return self
         env = {**os.environ, **self.env}
         if "LOCALM_API_KEY" not in self.env:  # a developer's own key must not leak into a test server
             env.pop("LOCALM_API_KEY", None)
@@ -89,6 +116,11 @@ class LocalmServer:
             time.sleep(0.05)
         raise RuntimeError(f"localm serve did not become ready in {timeout}s:\n{self.log()}")
 
+    @property
+    def pid(self) -> int:
+        """The process the server runs in: its subprocess, or this one."""
+        return self.proc.pid if self.proc is not None else os.getpid()
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-8000:]
@@ -96,6 +128,10 @@ class LocalmServer:
             return ""
 
     def stop(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+            return
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGINT)
@@ -143,6 +179,98 @@ class LocalmServer:
         return _cli_in_process(cmd, input, extra)
 
 
+def _store_roots(env: dict[str, str]) -> list[Path]:
+    """The plugin catalogs a ``localm serve`` started with ``env`` would read."""
+    from localm.kernel.plugins import store_roots
+
+    return store_roots({**os.environ, **env})
+
+
+class _InProcess:
+    """A server on a thread of this process: a kernel served by uvicorn on a loopback socket,
+    writing server.json as ``localm serve`` does and its log lines to the server's log file.
+    A restart asked over HTTP builds a fresh kernel on the same port."""
+
+    def __init__(self, server: LocalmServer) -> None:
+        self.server = server
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self.running: Any = None
+        self.stopping = False
+        self.handler = logging.FileHandler(server.log_path, encoding="utf-8")
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def start(self) -> tuple[str, int, str]:
+        from localm.kernel.server import SWITCH_INTERVAL, bind_socket
+
+        sys.setswitchinterval(SWITCH_INTERVAL)  # as localm serve runs
+        s = self.server
+        self.sock = bind_socket(s.host, 0, bump=False)
+        self.port = self.sock.getsockname()[1]
+        for name in ("localm", "uvicorn"):
+            logger = logging.getLogger(name)
+            logger.addHandler(self.handler)
+            if logger.level == logging.NOTSET or logger.level > logging.INFO:
+                logger.setLevel(logging.INFO)
+        self.thread = threading.Thread(target=self._run, name=f"localm-test-server-{self.port}", daemon=True)
+        self.thread.start()
+        return self.wait()
+
+    def wait(self, timeout: float = START_TIMEOUT) -> tuple[str, int, str]:
+        if not self.ready.wait(timeout) or self.failed is not None:
+            raise RuntimeError(f"the in-process server did not start: {self.failed!r}\n{self.server.log()}")
+        self.ready.clear()
+        return self.url, self.port, self.token
+
+    def _run(self) -> None:
+        import uvicorn
+
+        from localm.kernel.runtime import Kernel
+
+        s = self.server
+        stores = _store_roots(s.env)
+        try:
+            while True:
+                kernel = Kernel(s.data_dir, bind_host=s.host, port=self.port, only=s.plugins, model=s.model,
+                                store_dirs=stores)
+                config = uvicorn.Config(kernel.asgi, lifespan="on", log_level="warning", access_log=False,
+                                        timeout_graceful_shutdown=5, log_config=None, server_header=False)
+                self.running = uvicorn.Server(config)  # on a thread that is not main: no signal handlers
+                restart = [False]
+
+                def exit_handler(again: bool, running: Any = self.running) -> None:
+                    restart[0] = again
+                    running.should_exit = True
+
+                def announce(kernel: Any = kernel) -> None:
+                    kernel.write_server_file(s.host, self.port)
+                    info = json.loads((s.data_dir / "server.json").read_text())
+                    self.url, self.token = info["url"], info["token"]
+                    self.ready.set()
+
+                kernel.exit_handler = exit_handler
+                kernel.on_ready = announce
+                try:
+                    self.running.run(sockets=[self.sock])
+                finally:
+                    kernel.forget_server_file()
+                if not restart[0] or self.stopping:
+                    return
+        except BaseException as exc:  # reported by wait(); the thread ends
+            self.failed = exc
+            self.ready.set()
+
+    def stop(self) -> None:
+        self.stopping = True
+        if self.running is not None:
+            self.running.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+        for name in ("localm", "uvicorn"):
+            logging.getLogger(name).removeHandler(self.handler)
+        self.handler.close()
+
+
 def _cli_in_process(cmd: list[str], input: str | None, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``localm ARGS`` (``cmd`` after ``-m localm.kernel``) through Click's test runner, with
     ``env`` set for the call as the subprocess would see it."""
@@ -160,13 +288,27 @@ def _cli_in_process(cmd: list[str], input: str | None, env: dict[str, str]) -> s
     return subprocess.CompletedProcess(cmd, result.exit_code, result.stdout, stderr)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "server_process: the test's servers run as localm serve subprocesses "
+                                       "(it signals, kills, restarts or waits on the process)")
+
+
+def wants_process(request: pytest.FixtureRequest) -> bool | None:
+    """True when the requesting test (or its module) is marked ``server_process``; else None
+    (the server decides)."""
+    node = request.node
+    return True if node.get_closest_marker("server_process") is not None else None
+
+
 @pytest.fixture
-def localm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalmServer]]:
-    """Start real servers: ``localm_server(plugins=[...], env={...}, data_dir=...)``."""
+def localm_server(tmp_path_factory: pytest.TempPathFactory,
+                  request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalmServer]]:
+    """Start real servers: ``localm_server(plugins=[...], env={...}, data_dir=..., process=...)``."""
     started: list[LocalmServer] = []
 
     def start(*, data_dir: Path | None = None, **kwargs: Any) -> LocalmServer:
         d = data_dir or tmp_path_factory.mktemp("localm") / "data"
+        kwargs.setdefault("process", wants_process(request))
         server = LocalmServer(d, **kwargs).start()
         started.append(server)
         return server

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-from localm.sdk.testing import LocalmServer
+from localm.sdk.testing import LocalmServer, wants_process
 
 TEST_STORE = Path(__file__).parent / "plugins"
 STORE_ENV = {"LOCALM_PLUGIN_STORE": str(TEST_STORE)}
@@ -88,7 +88,8 @@ def offline_cli(data_dir: Path, *args: str, env: dict[str, str] | None = None) -
 
 
 @pytest.fixture(scope="module")
-def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalmServer]]:
+def module_server(tmp_path_factory: pytest.TempPathFactory,
+                  request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalmServer]]:
     started: list[LocalmServer] = []
 
     def start(*, prepare: Callable[[Path], Any] | None = None, **kwargs: Any) -> LocalmServer:
@@ -97,6 +98,7 @@ def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
         if prepare is not None:
             prepare(data_dir)
         kwargs["env"] = {**STORE_ENV, **kwargs.get("env", {})}
+        kwargs.setdefault("process", wants_process(request))
         s = LocalmServer(data_dir, **kwargs).start()
         started.append(s)
         return s

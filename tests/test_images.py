@@ -89,8 +89,7 @@ def pixels(png: bytes) -> tuple[tuple[int, int], set[Any]]:
 
 def comfy_child(server: LocalmServer) -> int | None:
     """The pid of the ComfyUI the localm server started (its child process)."""
-    assert server.proc is not None
-    for task in Path(f"/proc/{server.proc.pid}/task").iterdir():
+    for task in Path(f"/proc/{server.pid}/task").iterdir():
         for pid in (task / "children").read_text().split():
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if b"main.py" in cmdline:

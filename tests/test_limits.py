@@ -26,7 +26,9 @@ def keyed(module_server: Any) -> Any:
     def prepare(data_dir: Path) -> None:
         owner.append(offline_cli(data_dir, "key", "generate").strip())
 
-    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic", "responses", "rag"])
+    # a process: the last test stops it with SIGTERM and reads its exit status
+    s = module_server(prepare=prepare, plugins=["chat", "llamacpp", "ollama", "anthropic", "responses", "rag"],
+                      process=True)
     http = s.client(owner[0], timeout=120)
     assert http.post("/api/rag/collections", json={"name": COLLECTION}).status_code == 200
     return s, http

@@ -531,6 +531,7 @@ def test_a_second_process_writing_gets_409(mem: LocalmServer, owner: httpx.Clien
     assert "A write from the second process." not in texts(owner)
 
 
+@pytest.mark.server_process
 def test_kill_9_during_a_burst_of_appends_loses_nothing_acknowledged(localm_server: Any, tmp_path: Path) -> None:
     data = tmp_path / "data"
     server = localm_server(plugins=["chat", "memory"], data_dir=data)

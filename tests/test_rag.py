@@ -721,6 +721,7 @@ def test_the_cli_on_a_data_dir_with_no_server(tmp_path: Path) -> None:
 
 # --- a crash mid-index ----------------------------------------------------------------------------
 
+@pytest.mark.server_process
 def test_a_sigkill_during_indexing_leaves_a_readable_collection(localm_server: Any, tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()

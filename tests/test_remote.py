@@ -470,7 +470,7 @@ def _upstream_ports(server: Any, upstream: str) -> set[int]:
     """The local ports of the server's open connections to ``upstream``."""
     import psutil
     port = int(upstream.rsplit(":", 1)[1])
-    return {c.laddr.port for c in psutil.Process(server.proc.pid).net_connections(kind="tcp")
+    return {c.laddr.port for c in psutil.Process(server.pid).net_connections(kind="tcp")
             if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
 
 

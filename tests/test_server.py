@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from conftest import offline_cli
 
@@ -33,6 +34,7 @@ def test_health_is_public_and_reports_no_engine(server: Any) -> None:
     assert r.json()["status"] == "no_engine" and r.json()["loaded"] is False
 
 
+@pytest.mark.server_process
 def test_shutdown(server: Any) -> None:
     s = server()
     assert s.owner().post("/v1/server/shutdown").json() == {"stopping": True}
@@ -40,6 +42,7 @@ def test_shutdown(server: Any) -> None:
     assert not (s.data_dir / "server.json").exists()
 
 
+@pytest.mark.server_process
 def test_restart_comes_back_on_the_same_port(server: Any) -> None:
     s = server()
     before = s.owner().get("/v1/config").json()
