@@ -586,7 +586,7 @@ class ChatService:
         chain.media = media
         steering = await self._interventions(hooked, parsed[0])
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
-        self._check_stream(parsed[-1], parsed[0], chain)
+        self._check_stream(parsed[-1], parsed[0], chain, asked.origins)
         return parsed, chain, steering, headers
 
     @staticmethod
@@ -657,13 +657,14 @@ class ChatService:
         return sdk.report_ignored(unused, headers, where, log=log)
 
     @staticmethod
-    def _check_stream(options: Options, common: Common, chain: hooks.Chain) -> None:
+    def _check_stream(options: Options, common: Common, chain: hooks.Chain, origins: Origins) -> None:
         """Log probabilities spell the text the model wrote: a stream a plugin may rewrite has none."""
         if options.logprobs is not None and common.stream and chain.streams:
             names = ", ".join(dict.fromkeys(impl.plugin for impl, _ in chain.streams))
-            raise sdk.LocalmError(400, f"logprobs cannot be honoured on a streamed reply while a chat plugin "
+            where = origins.name("logprobs")
+            raise sdk.LocalmError(400, f"{where} cannot be honoured on a streamed reply while a chat plugin "
                                        f"rewrites the stream ({names}): ask for them without stream",
-                                  code="field_not_honoured", field="logprobs")
+                                  code="field_not_honoured", field=where)
 
     def _prepare_messages(self, chat_request: ChatRequest, entry: Any, engine: Any, common: Common, options: Options,
                           headers: dict[str, str], received: float, chain: hooks.Chain,
@@ -673,7 +674,7 @@ class ChatService:
         caps = engine.capabilities
         if options.logprobs is not None and not caps.logprobs:
             raise sdk.LocalmError(400, f"{entry.id} does not report log probabilities",
-                                  code="field_not_honoured", field="logprobs")
+                                  code="field_not_honoured", field=chat_request.origins.name("logprobs"))
         if steering.items or steering.reads:
             raise sdk.LocalmError(400, f"{entry.id} cannot be steered", code="field_not_honoured",
                                   field=min(steering.fields) if steering.fields else "steering")
@@ -721,7 +722,7 @@ class ChatService:
                 engine.check_constraint(constraint)
             if options.logprobs is not None and not caps.logprobs:
                 raise sdk.LocalmError(400, f"The {engine.engine} engine does not report log probabilities",
-                                      code="field_not_honoured", field="logprobs")
+                                      code="field_not_honoured", field=chat_request.origins.name("logprobs"))
             if (steering.items or steering.reads) and not caps.interventions:
                 raise sdk.LocalmError(400, f"The {engine.engine} engine cannot steer a generation",
                                       code="field_not_honoured", field=min(steering.fields) if steering.fields

@@ -361,7 +361,7 @@ def read_input(raw: Any) -> tuple[list[dict[str, Any]], dict[tuple[Any, ...], st
 RENAMED = {("response_format",): "text.format", ("response_format", "json_schema"): "text.format",
            ("max_tokens",): "max_output_tokens", ("max_completion_tokens",): "max_output_tokens",
            ("reasoning_effort",): "reasoning.effort", ("tool_choice", "function"): "tool_choice",
-           ("messages",): "input"}
+           ("messages",): "input", ("logprobs",): "include"}
 
 
 def origins(parsed: Parsed, instructions: int, earlier: int) -> Origins:
