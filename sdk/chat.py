@@ -218,5 +218,5 @@ class ChatService(Protocol):
         """An error text with absolute paths cut to file names."""
 
 
-__all__ = ["Call", "ChatRequest", "ChatService", "Generation", "Item", "Origins", "Outcome", "Path", "Piece", "Reasoning",
-           "Reply", "Status"]
+__all__ = ["Call", "ChatRequest", "ChatService", "Generation", "Item", "Origins", "Outcome", "Path", "Piece",
+           "Reasoning", "Reply", "Status"]

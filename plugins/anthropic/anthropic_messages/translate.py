@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from localm import sdk
@@ -52,7 +53,7 @@ class Places:
         self.messages: list[dict[str, Any]] = []
         self.names: dict[tuple[Any, ...], str] = {}
 
-    def add(self, message: dict[str, Any], where: str, parts: list[str] = (), calls: list[str] = ()) -> None:
+    def add(self, message: dict[str, Any], where: str, parts: Sequence[str] = (), calls: Sequence[str] = ()) -> None:
         k = len(self.messages)
         self.names[("messages", k)] = where
         self.names.update({("messages", k, "content", j): at for j, at in enumerate(parts)})
