@@ -6,6 +6,10 @@ as :class:`ChatService`. A generation's streamed items are :class:`Status`,
 :class:`Piece`, :class:`Reasoning` and :class:`Call`; its end is an :class:`Outcome`.
 These records live here, in the SDK, so a plugin can name them without importing the chat
 plugin; ``host.chat.Piece`` and the other class attributes still name the same classes.
+
+A surface hands the service a :class:`ChatRequest`: the OpenAI chat body it translated its
+client's request into, and :class:`Origins`, the map back to the client's own field names,
+so a refusal names the field the client sent (``input[2]``, ``system``, ``output_config.format``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,73 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import attrs
+
+from .engines import Sampling
+
+#: A place in the OpenAI chat body: keys and list indices, ``("messages", 3, "content", 1)``.
+Path = tuple[str | int, ...]
+
+
+def _spelled(path: Path, dotted: bool) -> str:
+    """A path as OpenAI writes it (``messages[3].content[1]``), or with dots (``messages.3.content.1``)."""
+    out = ""
+    for step in path:
+        if isinstance(step, int):
+            out += f".{step}" if dotted else f"[{step}]"
+        else:
+            out += f".{step}" if out else step
+    return out
+
+
+@attrs.frozen
+class Origins:
+    """Where each place of a translated chat body came from in the client's request, so the
+    chat service names the client's field when it refuses one.
+
+    ``names`` maps a path of the chat body to the client's name for it. A path is named by
+    its longest mapped prefix, with the rest appended (``("messages", 3)`` → ``"input[2]"``
+    names ``("messages", 3, "content")`` ``"input[2].content"``); mapping a longer prefix
+    renames a suffix (``("tools", 0, "function")`` → ``"tools[0]"`` names the function's
+    ``name`` ``"tools[0].name"``). An unmapped path keeps its OpenAI name. ``dotted`` writes
+    the appended indices as the client does (``.1`` for Anthropic, ``[1]`` otherwise)."""
+
+    names: dict[Path, str] = attrs.field(factory=dict)
+    dotted: bool = False
+
+    def name(self, *path: str | int) -> str:
+        """The client's name for the chat body's ``path``."""
+        for cut in range(len(path), 0, -1):
+            found = self.names.get(path[:cut])
+            if found is not None:
+                rest = _spelled(path[cut:], self.dotted)
+                return found + ("" if not rest else rest if rest[0] == "." else "." + rest)
+        return _spelled(path, self.dotted)
+
+
+@attrs.frozen
+class ChatRequest:
+    """A chat request as a surface hands it to ``host.chat.chat``: the OpenAI chat ``body`` (the
+    dict the chat hooks see), ``origins`` (the client's names for its places) and ``extra``
+    (the client's fields the surface did not read, shown to the inlet hooks).
+
+    The typed fields are the chat service's reading of the request once its inlet hooks ran
+    (``Generation.request``); a surface leaves them unset."""
+
+    body: dict[str, Any]
+    origins: Origins = attrs.field(factory=Origins)
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    model: str | None = None
+    stream: bool = False
+    messages: list[dict[str, Any]] | None = None
+    sampling: Sampling | None = None
+    stops: tuple[str, ...] = ()
+    #: the chat plugin's read tools and response format (its constrained.Tools and Format)
+    tools: Any = None
+    format: Any = None
+    #: None: no log probabilities; k: each token's k most likely alternatives
+    logprobs: int | None = None
+    #: enable_thinking as the template gets it (None: the model's default)
+    thinking: bool | None = None
 
 
 @attrs.frozen
@@ -86,12 +157,15 @@ class Generation(Protocol):
     Stream it with ``items()``, or take it whole with ``reply()``; either runs the chat
     hooks (stream, stream end, outlet) and ends with ``outcome`` filled in. ``headers``
     are the response headers every surface sends; ``extra`` the fields plugins added to
-    the response; ``model`` the name to show; ``entry`` the registry entry that answers."""
+    the response; ``model`` the name to show; ``entry`` the registry entry that answers;
+    ``request`` the request as read."""
     entry: Any
     model: str
     headers: dict[str, str]
     extra: dict[str, Any]
     outcome: Outcome
+    #: the request as the chat service read it (its typed fields filled in)
+    request: ChatRequest
 
     def items(self) -> AsyncIterator[Item]: ...
 
@@ -108,17 +182,17 @@ class ChatService(Protocol):
     Reasoning: type[Reasoning]
     Call: type[Call]
 
-    async def chat(self, body: dict[str, Any], *, route: str = "chat.completions", request: Any = None,
+    async def chat(self, body: ChatRequest | dict[str, Any], *, route: str = "chat.completions", request: Any = None,
                    report: bool | None = None, ignored: list[str] | None = None, extra: dict[str, Any] | None = None,
                    request_headers: Any = None, received: float | None = None,
                    compact: bool = True) -> Generation:
-        """Prepare a chat generation from an OpenAI chat-completions ``body``."""
+        """Prepare a chat generation from a :class:`ChatRequest` (or a bare OpenAI chat body)."""
 
-    async def complete(self, body: dict[str, Any], *, route: str = "completions", request: Any = None,
+    async def complete(self, body: ChatRequest | dict[str, Any], *, route: str = "completions", request: Any = None,
                        report: bool | None = None, ignored: list[str] | None = None,
                        extra: dict[str, Any] | None = None, request_headers: Any = None,
                        received: float | None = None) -> Generation:
-        """Prepare a text completion from an OpenAI completions ``body``."""
+        """Prepare a text completion from an OpenAI completions ``body`` (or a ChatRequest holding one)."""
 
     async def embed(self, model: str | None, texts: list[str]) -> tuple[Any, list[list[float]], int]:
         """(the registry entry, one normalised vector per text, the tokens they took)."""
@@ -127,7 +201,7 @@ class ChatService(Protocol):
                      top_n: int | None = None) -> tuple[Any, list[dict[str, Any]], int]:
         """(the registry entry, the results best first, the tokens the model read)."""
 
-    async def count_tokens(self, body: dict[str, Any], *, route: str = "anthropic.count_tokens",
+    async def count_tokens(self, body: ChatRequest | dict[str, Any], *, route: str = "anthropic.count_tokens",
                            request: Any = None, extra: dict[str, Any] | None = None) -> int:
         """The prompt tokens a chat ``body`` would take."""
 
@@ -144,4 +218,5 @@ class ChatService(Protocol):
         """An error text with absolute paths cut to file names."""
 
 
-__all__ = ["Call", "ChatService", "Generation", "Item", "Outcome", "Piece", "Reasoning", "Reply", "Status"]
+__all__ = ["Call", "ChatRequest", "ChatService", "Generation", "Item", "Origins", "Outcome", "Path", "Piece",
+           "Reasoning", "Reply", "Status"]

@@ -265,6 +265,31 @@ def test_a_malformed_body_is_an_invalid_request(server: Any, body: dict[str, Any
     assert says in message
 
 
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+BAD_SCHEMA = {"type": "object", "properties": 3}
+
+
+@pytest.mark.parametrize(("body", "says", "not_says"), [
+    # a system prompt is a chat message of its own: the image is still messages.2.content.1
+    ({"system": "Be brief.", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, IMAGE]}]},
+     "messages.2.content.1: this model takes text only", "messages[3]"),
+    ({"messages": QUESTION, "stop_sequences": ["x"] * 17}, "stop_sequences holds 17 sequences", "stop "),
+    ({"messages": QUESTION, "output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}},
+     "output_config.format.schema", "response_format"),
+    ({"messages": QUESTION, "tools": [{**WEATHER, "input_schema": BAD_SCHEMA}]},
+     "tools.0.input_schema is not valid JSON Schema", "function"),
+    ({"messages": QUESTION, "tools": [WEATHER, WEATHER]}, "tools.1.name: 'get_weather' is already tools.0",
+     "function"),
+])
+def test_the_chat_services_refusals_name_anthropic_fields(server: Any, body: dict[str, Any], says: str,
+                                                          not_says: str) -> None:
+    message = is_error(post(server, "/v1/messages", json={"model": MODEL, "max_tokens": 4, **body}), 400,
+                       "invalid_request_error")
+    assert says in message and not_says not in message, message
+
+
 def test_a_body_that_is_not_json(server: Any) -> None:
     is_error(post(server, "/v1/messages", content=b"{not json", headers={"content-type": "application/json"}), 400,
              "invalid_request_error")
@@ -290,7 +315,7 @@ def _load(name: str) -> Any:
 
 
 def test_the_reader_joins_turns_and_translates_tools() -> None:
-    body = _load("translate").to_chat_body({
+    asked = _load("translate").to_chat_request({
         "model": "localm", "max_tokens": 8, "system": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
         "stop_sequences": ["\n\n"], "top_k": 5, "thinking": {"type": "adaptive"},
         "tools": [WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
@@ -305,6 +330,7 @@ def test_the_reader_joins_turns_and_translates_tools() -> None:
                     {"type": "text", "text": "timeout"},
                     {"type": "image", "source": {"type": "url", "url": "https://example.com/x.png"}}]},
                 {"type": "text", "text": "Try again?"}]}]})
+    body, name = asked.body, asked.origins.name
     assert body["messages"] == [
         {"role": "system", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
         {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "\n\n"},
@@ -319,6 +345,16 @@ def test_the_reader_joins_turns_and_translates_tools() -> None:
     assert body["tools"][0]["function"]["parameters"] == WEATHER["input_schema"]
     assert body["stop"] == ["\n\n"] and body["top_k"] == 5 and body["max_tokens"] == 8
     assert body["chat_template_kwargs"] == {"enable_thinking": True}
+    # each chat message, part and call is named as the client sent it
+    assert [name("messages", k) for k in range(5)] == ["system", "messages.0", "messages.2",
+                                                        "messages.3.content.0", "messages.3"]
+    assert name("messages", 0, "content", 1) == "system.1"
+    assert name("messages", 1, "content", 2) == "messages.1.content.0"
+    assert name("messages", 2, "tool_calls", 0, "function", "name") == "messages.2.content.2.name"
+    assert name("messages", 4, "content", 0) == "messages.3.content.0.content.1"
+    assert name("tools", 0, "function", "parameters") == "tools.0.input_schema"
+    assert name("stop") == "stop_sequences" and name("response_format", "json_schema", "schema") == \
+        "output_config.format.schema"
 
 
 class _Text:

@@ -323,6 +323,17 @@ def test_error_shapes(server: LocalmServer, client: Any) -> None:
     assert r.status_code == 400 and "invalid duration" in r.json()["error"]
 
 
+def test_the_chat_services_refusals_name_ollama_fields(client: Any) -> None:
+    """The chat service reads the translated request, but its refusal names the field Ollama's client sent."""
+    image = [{"role": "user", "content": "x", "images": ["aGVsbG8="]}]
+    err = refused(lambda: client.chat(model=MODEL, messages=[*QUESTION, {"role": "assistant", "content": "y"}, *image]))
+    assert err.error == "messages[2].images[0]: this model takes text only"
+    err = refused(lambda: client.generate(model=MODEL, prompt="x", system="Be brief.", images=["aGVsbG8="]))
+    assert err.error == "images[0]: this model takes text only"
+    err = refused(lambda: client.chat(model=MODEL, messages=QUESTION, options={"stop": ["x"] * 17}))
+    assert err.error == "options.stop holds 17 sequences; at most 16 are accepted"
+
+
 def test_not_served_routes_say_what_to_do(server: LocalmServer, client: Any, tmp_path: Path) -> None:
     err = refused(lambda: client.create(model="mine", from_=MODEL, system="Be brief."))
     assert err.status_code == 501 and "localm pull" in err.error

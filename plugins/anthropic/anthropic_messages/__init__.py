@@ -14,7 +14,7 @@ from typing import Any
 from localm import sdk
 
 from . import render, schema
-from .translate import to_chat_body, unread
+from .translate import to_chat_request
 
 ROUTE = "anthropic"
 #: x_api_key: Anthropic clients send their key as x-api-key (a bearer token still wins)
@@ -31,10 +31,10 @@ async def messages(request: sdk.Request) -> Any:
     received = time.perf_counter()
     chat = sdk.host_of(request).chat
     raw = await _body(request)
-    body = to_chat_body(raw)
-    gen = await chat.chat(body, route=ROUTE, request=request, extra=unread(raw), received=received)
+    asked = to_chat_request(raw)
+    gen = await chat.chat(asked, route=ROUTE, request=request, received=received)
     ident = render.message_id()
-    if body["stream"]:
+    if asked.body["stream"]:
         return sdk.EventStream(render.events(gen, chat, ident),
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **gen.headers})
     reply = await gen.reply()
@@ -50,9 +50,8 @@ async def messages(request: sdk.Request) -> Any:
 async def count_tokens(request: sdk.Request) -> dict[str, int]:
     chat = sdk.host_of(request).chat
     raw = await _body(request)
-    body = to_chat_body(raw, counting=True)
-    return {"input_tokens": await chat.count_tokens(body, route="anthropic.count_tokens", request=request,
-                                                    extra=unread(raw))}
+    asked = to_chat_request(raw, counting=True)
+    return {"input_tokens": await chat.count_tokens(asked, route="anthropic.count_tokens", request=request)}
 
 
 def anthropic_error(status: int, detail: str, code: str | None, extra: dict[str, Any]) -> sdk.Response:

@@ -1,9 +1,11 @@
-"""An Anthropic Messages request, read into the OpenAI chat-completions body the chat service takes.
+"""An Anthropic Messages request, read into the chat request the chat service takes: an
+OpenAI chat-completions body, with the origins of its places in the Anthropic request.
 
 Every field is used, accepted with no effect (named in the debug log when unknown), or
 refused with a 400 naming its place the way Anthropic does (``messages.1.content.0``).
-Fields of the wrong type that the chat service reads itself (``temperature``, ``top_k``,
-a tool's ``input_schema``...) come back from it as a 422, which this surface answers as a
+Fields the chat service reads itself (``temperature``, ``top_k``, a tool's
+``input_schema``, an image the model cannot see...) are refused by it in Anthropic's names
+too, through the origins; its 422 (a field of the wrong type) this surface answers as a
 400 like every other body that fails validation.
 """
 
@@ -11,9 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from localm import sdk
+from localm.sdk.chat import ChatRequest, Origins
 
 log = logging.getLogger("localm.plugin.anthropic")
 
@@ -30,13 +34,37 @@ DROPPED_BLOCKS = ("thinking", "redacted_thinking")
 MAX_MESSAGES = 10_000
 
 
+#: The chat body's places Anthropic names otherwise (its tools' places depend on the request).
+RENAMED = {("stop",): "stop_sequences", ("response_format",): "output_config.format",
+           ("response_format", "json_schema"): "output_config.format", ("tool_choice", "function"): "tool_choice",
+           ("parallel_tool_calls",): "tool_choice.disable_parallel_tool_use",
+           ("chat_template_kwargs", "enable_thinking"): "thinking"}
+
+
 def bad(message: str) -> sdk.LocalmError:
     return sdk.LocalmError(400, message)
 
 
-def to_chat_body(body: Any, *, counting: bool = False) -> dict[str, Any]:
-    """The OpenAI chat body for a /v1/messages request (``counting``: a count_tokens request,
-    which has no max_tokens and never streams)."""
+class Places:
+    """The chat messages built so far, and where each (and each of its parts and tool calls)
+    came from in the Anthropic request."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.names: dict[tuple[Any, ...], str] = {}
+
+    def add(self, message: dict[str, Any], where: str, parts: Sequence[str] = (), calls: Sequence[str] = ()) -> None:
+        k = len(self.messages)
+        self.names[("messages", k)] = where
+        self.names.update({("messages", k, "content", j): at for j, at in enumerate(parts)})
+        for c, at in enumerate(calls):  # a call's name and arguments are its tool_use block's
+            self.names[("messages", k, "tool_calls", c)] = self.names[("messages", k, "tool_calls", c, "function")] = at
+        self.messages.append(message)
+
+
+def to_chat_request(body: Any, *, counting: bool = False) -> ChatRequest:
+    """The chat request for a /v1/messages request (``counting``: a count_tokens request,
+    which has no max_tokens and never streams), with the client's fields it does not read."""
     if not isinstance(body, dict):
         raise bad("The request body must be a JSON object")
     out: dict[str, Any] = {}
@@ -55,7 +83,10 @@ def to_chat_body(body: Any, *, counting: bool = False) -> dict[str, Any]:
         if stream is not None and not isinstance(stream, bool):
             raise bad("stream: must be true or false")
         out["stream"] = bool(stream)
-    out["messages"] = _system(body.get("system")) + _messages(body.get("messages"))
+    places = Places()
+    _system(body.get("system"), places)
+    _messages(body.get("messages"), places)
+    out["messages"] = places.messages
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -72,25 +103,28 @@ def to_chat_body(body: Any, *, counting: bool = False) -> dict[str, Any]:
     unknown = sorted(set(body) - READ - set(NO_EFFECT) - set(LOCALM))
     if unknown:
         log.debug("/v1/messages: fields with no effect here: %s", ", ".join(unknown))
-    return out
+    names = {**RENAMED, **places.names}
+    for j in range(len(out.get("tools", []))):
+        names[("tools", j, "function")] = f"tools.{j}"
+        names[("tools", j, "function", "parameters")] = f"tools.{j}.input_schema"
+    return ChatRequest(body=out, origins=Origins(names, dotted=True), extra=unread(body))
 
 
-def unread(body: Any) -> dict[str, Any]:
+def unread(body: dict[str, Any]) -> dict[str, Any]:
     """The client's fields this surface neither reads nor knows: the chat plugins see them in
     the request (a plugin's own field, such as ``rag``, sent through ``extra_body``)."""
-    if not isinstance(body, dict):
-        return {}
     return {key: value for key, value in body.items() if key not in READ and key not in NO_EFFECT
             and key not in LOCALM}
 
 
 # --- messages ------------------------------------------------------------------------
 
-def _system(system: Any) -> list[dict[str, Any]]:
+def _system(system: Any, places: Places) -> None:
     if system is None or system == "":
-        return []
+        return
     if isinstance(system, str):
-        return [{"role": "system", "content": system}]
+        places.add({"role": "system", "content": system}, "system")
+        return
     if not isinstance(system, list):
         raise bad("system: must be a string or a list of text blocks")
     parts = []
@@ -98,16 +132,18 @@ def _system(system: Any) -> list[dict[str, Any]]:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise bad(f"system.{j}: must be a text block ({{\"type\": \"text\", \"text\": \"...\"}})")
         parts.append({"type": "text", "text": block["text"]})
-    return [{"role": "system", "content": parts}] if parts else []
+    if parts:
+        places.add({"role": "system", "content": parts}, "system", [f"system.{j}" for j in range(len(parts))])
 
 
-def _messages(raw: Any) -> list[dict[str, Any]]:
-    """User and assistant turns; consecutive turns of one role are joined into one turn."""
+def _messages(raw: Any, places: Places) -> None:
+    """User and assistant turns; consecutive turns of one role are joined into one turn (named
+    by its first message)."""
     if not isinstance(raw, list) or not raw:
         raise bad("messages: must be a non-empty list of messages")
     if len(raw) > MAX_MESSAGES:  # counted as sent: turns of one role are joined below
         raise bad(f"messages: holds {len(raw)} items; at most {MAX_MESSAGES} are accepted")
-    turns: list[tuple[str, list[tuple[str, Any]]]] = []
+    turns: list[tuple[str, str, list[tuple[str, Any]]]] = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise bad(f"messages.{i}: must be an object with role and content")
@@ -122,17 +158,15 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         else:
             raise bad(f"messages.{i}.content: must be a string or a list of content blocks")
         if turns and turns[-1][0] == role:
-            last, first = turns[-1][1][-1][1] if turns[-1][1] else None, blocks[0][1] if blocks else None
+            last, first = turns[-1][2][-1][1] if turns[-1][2] else None, blocks[0][1] if blocks else None
             if all(isinstance(b, dict) and b.get("type") == "text" for b in (last, first)):
                 # two turns' texts stay apart: the chat path joins a message's text parts as they are
                 blocks = [(f"messages.{i}.content", {"type": "text", "text": "\n\n"}), *blocks]
-            turns[-1][1].extend(blocks)
+            turns[-1][2].extend(blocks)
         else:
-            turns.append((role, blocks))
-    out: list[dict[str, Any]] = []
-    for role, blocks in turns:
-        out.extend(_user(blocks) if role == "user" else _assistant(blocks))
-    return out
+            turns.append((role, f"messages.{i}", blocks))
+    for role, where, blocks in turns:
+        (_user if role == "user" else _assistant)(where, blocks, places)
 
 
 def _kind(where: str, block: Any) -> str:
@@ -172,18 +206,18 @@ def _refused(where: str, kind: str) -> sdk.LocalmError:
                "thinking blocks are)")
 
 
-def _user(blocks: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+def _user(turn: str, blocks: list[tuple[str, Any]], places: Places) -> None:
     """Tool results become OpenAI tool messages; the turn's text and images (and the images
     tool results hold) follow them in one user message."""
-    results: list[dict[str, Any]] = []
-    images: list[dict[str, Any]] = []
-    parts: list[dict[str, Any]] = []
+    results: list[tuple[dict[str, Any], str]] = []
+    images: list[tuple[dict[str, Any], str]] = []
+    parts: list[tuple[dict[str, Any], str]] = []
     for where, block in blocks:
         kind = _kind(where, block)
         if kind == "text":
-            parts.append(_text(where, block))
+            parts.append((_text(where, block), where))
         elif kind == "image":
-            parts.append(_image(where, block))
+            parts.append((_image(where, block), where))
         elif kind == "tool_result":
             ident = block.get("tool_use_id")
             if not isinstance(ident, str):
@@ -194,7 +228,7 @@ def _user(blocks: list[tuple[str, Any]]) -> list[dict[str, Any]]:
                 raise bad(f"{where}.is_error: must be true or false")
             if failed:
                 text = f"(error) {text}" if text else "(error)"
-            results.append({"role": "tool", "tool_call_id": ident, "content": text})
+            results.append(({"role": "tool", "tool_call_id": ident, "content": text}, where))
             images.extend(shown)
         elif kind in DROPPED_BLOCKS:
             continue
@@ -202,13 +236,14 @@ def _user(blocks: list[tuple[str, Any]]) -> list[dict[str, Any]]:
             raise bad(f"{where}: a tool_use block belongs in an assistant turn")
         else:
             raise _refused(where, kind)
-    out = list(results)
+    for message, where in results:
+        places.add(message, where)
     if images or parts or not results:
-        out.append({"role": "user", "content": images + parts})
-    return out
+        shown = images + parts
+        places.add({"role": "user", "content": [part for part, _ in shown]}, turn, [at for _, at in shown])
 
 
-def _result_content(where: str, content: Any) -> tuple[str, list[dict[str, Any]]]:
+def _result_content(where: str, content: Any) -> tuple[str, list[tuple[dict[str, Any], str]]]:
     if content is None:
         return "", []
     if isinstance(content, str):
@@ -222,37 +257,37 @@ def _result_content(where: str, content: Any) -> tuple[str, list[dict[str, Any]]
         if kind == "text":
             texts.append(_text(at, block)["text"])
         elif kind == "image":
-            images.append(_image(at, block))
+            images.append((_image(at, block), at))
         else:
             raise bad(f"{at}: {kind!r} blocks are not supported in a tool result (text and image are)")
     return "".join(texts), images
 
 
-def _assistant(blocks: list[tuple[str, Any]]) -> list[dict[str, Any]]:
-    parts: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
+def _assistant(turn: str, blocks: list[tuple[str, Any]], places: Places) -> None:
+    parts: list[tuple[dict[str, Any], str]] = []
+    calls: list[tuple[dict[str, Any], str]] = []
     for where, block in blocks:
         kind = _kind(where, block)
         if kind == "text":
-            parts.append(_text(where, block))
+            parts.append((_text(where, block), where))
         elif kind == "tool_use":
             ident, name, given = block.get("id"), block.get("name"), block.get("input", {})
             if not isinstance(ident, str) or not isinstance(name, str):
                 raise bad(f"{where}: a tool_use block needs id and name strings")
             if not isinstance(given, dict):
                 raise bad(f"{where}.input: must be an object")
-            calls.append({"id": ident, "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(given, ensure_ascii=False)}})
+            calls.append(({"id": ident, "type": "function",
+                           "function": {"name": name, "arguments": json.dumps(given, ensure_ascii=False)}}, where))
         elif kind in DROPPED_BLOCKS:
             continue
         elif kind in ("image", "tool_result"):
             raise bad(f"{where}: a {kind} block belongs in a user turn")
         else:
             raise _refused(where, kind)
-    message: dict[str, Any] = {"role": "assistant", "content": parts}
+    message: dict[str, Any] = {"role": "assistant", "content": [part for part, _ in parts]}
     if calls:
-        message["tool_calls"] = calls
-    return [message]
+        message["tool_calls"] = [call for call, _ in calls]
+    places.add(message, turn, [at for _, at in parts], [at for _, at in calls])
 
 
 # --- tools, thinking, output ------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 from localm import sdk
+from localm.sdk.chat import ChatRequest
 
 from . import compaction, fields, pipeline, schema, scoring
 from .request import Reader
@@ -86,8 +87,8 @@ async def chat_completions(request: sdk.Request) -> Any:
         return await scoring.serve(request, "chat", body)
     if not isinstance(body, dict):
         body = {"": body}  # the reader refuses it with its 422
-    gen = await host.chat.chat(body, route="chat.completions", request=request, report=True,
-                                          received=received)
+    gen = await host.chat.chat(ChatRequest(body=body), route="chat.completions", request=request, report=True,
+                               received=received)
     options, outcome = gen.options, gen.outcome
     ident = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())

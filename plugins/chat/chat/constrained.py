@@ -56,6 +56,10 @@ from typing import Any
 
 import attrs
 from localm import sdk
+from localm.sdk.chat import Origins
+
+#: The OpenAI routes' names: every place as OpenAI spells it.
+OPENAI = Origins()
 
 log = logging.getLogger("localm.plugin.chat")
 
@@ -264,8 +268,10 @@ class Format:
     dropped: tuple[tuple[str, str], ...] = ()  # (keyword, JSON pointer) left out under strict: false
 
 
-def _bad_format(detail: str) -> sdk.LocalmError:
-    return sdk.LocalmError(400, detail, code="invalid_response_format", param="response_format")
+def _bad_format(origins: Origins, detail: str, *path: str | int) -> sdk.LocalmError:
+    """A malformed response_format: ``detail`` follows the client's name for ``path`` under it."""
+    return sdk.LocalmError(400, origins.name("response_format", *path) + detail, code="invalid_response_format",
+                           param=origins.name("response_format"))
 
 
 def _sf_string(text: str) -> str:
@@ -273,7 +279,7 @@ def _sf_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def read_response_format(value: Any) -> Format | None:
+def read_response_format(value: Any, origins: Origins = OPENAI) -> Format | None:
     """The response_format field, read and compiled; None for no constraint.
 
     None for an absent/null value or {"type": "text"}. json_object: any JSON object.
@@ -281,12 +287,13 @@ def read_response_format(value: Any) -> Format | None:
     printable ASCII, at most 64 characters), ``strict`` (default false). A malformed value is
     a 400 ``invalid_response_format``; a schema that cannot be enforced a 400
     ``response_format_unsupported`` with ``unsupported: [{"keyword", "pointer"}]`` when
-    keywords are the cause (see the module docstring for the rules).
+    keywords are the cause (see the module docstring for the rules). Places are named as
+    ``origins`` says the client calls them.
     """
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise _bad_format("response_format must be an object such as {\"type\": \"json_object\"}")
+        raise _bad_format(origins, " must be an object such as {\"type\": \"json_object\"}")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -295,33 +302,34 @@ def read_response_format(value: Any) -> Format | None:
         assert not error, error
         return Format(grammar=grammar, label="json_object", schema=None)
     if kind != "json_schema":
-        raise _bad_format(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+        raise _bad_format(origins, f" must be text, json_object or json_schema, got {kind!r}", "type")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise _bad_format("response_format.json_schema must be an object with name and schema")
+        raise _bad_format(origins, " must be an object with name and schema", "json_schema")
     name = spec.get("name")
     if name is not None and not (isinstance(name, str) and 1 <= len(name) <= 64
                                  and all(" " <= c <= "~" for c in name)):
-        raise _bad_format("response_format.json_schema.name must be 1 to 64 printable ASCII characters")
+        raise _bad_format(origins, " must be 1 to 64 printable ASCII characters", "json_schema", "name")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise _bad_format("response_format.json_schema.strict must be true or false")
+        raise _bad_format(origins, " must be true or false", "json_schema", "strict")
     schema = spec.get("schema")
     if schema is None:
         schema = dict(ANY_OBJECT)
     label = "json_schema" if name is None else f"json_schema;name={_sf_string(name)}"
+    where = origins.name("response_format", "json_schema", "schema")
     try:
         cleaned, dropped = _clean(schema, strict=bool(strict))
     except _Refused as exc:
         if exc.code == "invalid_schema":
-            raise _bad_format(f"response_format.json_schema.schema: {exc.detail}") from None
+            raise _bad_format(origins, f": {exc.detail}", "json_schema", "schema") from None
         extra = {"unsupported": exc.entries} if exc.entries is not None else {}
-        raise sdk.LocalmError(400, f"response_format.json_schema.schema: {exc.detail}",
-                              code="response_format_unsupported", param="response_format", **extra) from None
+        raise sdk.LocalmError(400, f"{where}: {exc.detail}", code="response_format_unsupported",
+                              param=origins.name("response_format"), **extra) from None
     grammar, error = _compile_error(cleaned)
     if error:
-        raise sdk.LocalmError(400, f"response_format.json_schema.schema cannot be compiled: {_short(error, 600)}",
-                              code="response_format_unsupported", param="response_format")
+        raise sdk.LocalmError(400, f"{where} cannot be compiled: {_short(error, 600)}",
+                              code="response_format_unsupported", param=origins.name("response_format"))
     if dropped:
         log.debug("response_format %s: left out (strict: false): %s", name or "", _listing(list(dropped)))
     return Format(grammar=grammar, label=label, schema=cleaned, dropped=dropped)
@@ -383,8 +391,14 @@ class Tools:
         return self.tools
 
 
-def _bad_tools(detail: str, param: str = "tools") -> sdk.LocalmError:
+def _bad_tools(detail: str, param: str) -> sdk.LocalmError:
     return sdk.LocalmError(400, detail, code="invalid_tools", param=param)
+
+
+def _bad_tool(origins: Origins, detail: str, *path: str | int) -> sdk.LocalmError:
+    """A malformed tool: ``detail`` follows the client's name for ``path``, the place at fault."""
+    where = origins.name(*path)
+    return _bad_tools(where + detail, where)
 
 
 def _arguments_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any] | None:
@@ -407,11 +421,12 @@ def _arguments_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any] |
     return cleaned
 
 
-def read_tools(body: dict[str, Any]) -> Tools | None:
+def read_tools(body: dict[str, Any], origins: Origins = OPENAI) -> Tools | None:
     """tools, tool_choice and parallel_tool_calls; None when no tools are sent.
 
     Without tools, tool_choice may only be absent, "none" or "auto". Each malformed case is a
-    400 ``invalid_tools`` naming its place (``tools[2].function.name``). A function's
+    400 ``invalid_tools`` naming its place as the client calls it (``tools[2].function.name``
+    on the OpenAI routes), in the detail and in ``param``. A function's
     ``strict`` is accepted; its parameters follow the tool rules either way (unenforceable
     keywords left out, a schema that cannot compile takes any JSON object).
     """
@@ -419,45 +434,46 @@ def read_tools(body: dict[str, Any]) -> Tools | None:
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _bad_tools("parallel_tool_calls must be true or false", "parallel_tool_calls")
+        raise _bad_tool(origins, " must be true or false", "parallel_tool_calls")
     if raw is None or raw == []:
         if choice not in (None, "none", "auto"):
-            raise _bad_tools("tool_choice needs tools", "tool_choice")
+            raise _bad_tool(origins, f" needs {origins.name('tools')}", "tool_choice")
         return None
     if not isinstance(raw, list):
-        raise _bad_tools("tools must be a list of function tools")
+        raise _bad_tool(origins, " must be a list of function tools", "tools")
     if len(raw) > MAX_TOOLS:
-        raise _bad_tools(f"tools holds {len(raw)} tools, more than {MAX_TOOLS}")
+        raise _bad_tool(origins, f" holds {len(raw)} tools, more than {MAX_TOOLS}", "tools")
     tools: list[Tool] = []
     where_named: dict[str, int] = {}
     for i, item in enumerate(raw):
-        at = f"tools[{i}]"
         if not isinstance(item, dict):
-            raise _bad_tools(f"{at} must be an object")
+            raise _bad_tool(origins, " must be an object", "tools", i)
         if item.get("type") != "function":
-            raise _bad_tools(f"{at}.type must be \"function\" (only function tools are served), "
-                             f"got {item.get('type')!r}")
+            raise _bad_tool(origins, f" must be \"function\" (only function tools are served), "
+                                     f"got {item.get('type')!r}", "tools", i, "type")
         fn = item.get("function")
         if not isinstance(fn, dict):
-            raise _bad_tools(f"{at}.function must be an object")
+            raise _bad_tool(origins, " must be an object", "tools", i, "function")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise _bad_tools(f"{at}.function.name must be 1 to 64 letters, digits, _ or -, got {name!r}")
+            raise _bad_tool(origins, f" must be 1 to 64 letters, digits, _ or -, got {name!r}",
+                            "tools", i, "function", "name")
         if name in where_named:
-            raise _bad_tools(f"{at}.function.name: {name!r} is already tools[{where_named[name]}]")
+            raise _bad_tool(origins, f": {name!r} is already {origins.name('tools', where_named[name])}",
+                            "tools", i, "function", "name")
         where_named[name] = i
         description = fn.get("description")
         if description is not None and not isinstance(description, str):
-            raise _bad_tools(f"{at}.function.description must be a string")
+            raise _bad_tool(origins, " must be a string", "tools", i, "function", "description")
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _bad_tools(f"{at}.function.strict must be true or false")
+            raise _bad_tool(origins, " must be true or false", "tools", i, "function", "strict")
         parameters = fn.get("parameters")
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
-            raise _bad_tools(f"{at}.function.parameters must be a JSON schema object")
-        _check_parameters(parameters, f"{at}.function.parameters")
+            raise _bad_tool(origins, " must be a JSON schema object", "tools", i, "function", "parameters")
+        _check_parameters(parameters, origins.name("tools", i, "function", "parameters"))
         tools.append(Tool(name=name, description=description or "", parameters=parameters,
                           arguments_grammar_schema=_arguments_schema(name, parameters)))
     named = None
@@ -468,35 +484,39 @@ def read_tools(body: dict[str, Any]) -> Tools | None:
     elif isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad_tools('tool_choice must be "auto", "none", "required" or '
-                             '{"type": "function", "function": {"name": "..."}}', "tool_choice")
+            raise _bad_tool(origins, _CHOICES, "tool_choice")
         named = fn["name"]
         if named not in where_named:
-            raise _bad_tools(f"tool_choice.function.name: {named!r} is not one of the tools", "tool_choice")
+            raise _bad_tools(f"{origins.name('tool_choice', 'function', 'name')}: {named!r} is not one of the "
+                             f"tools", origins.name("tool_choice"))
         kind = "named"
     else:
-        raise _bad_tools('tool_choice must be "auto", "none", "required" or '
-                         '{"type": "function", "function": {"name": "..."}}', "tool_choice")
+        raise _bad_tool(origins, _CHOICES, "tool_choice")
     return Tools(tools=tuple(tools), choice=kind, named=named, parallel=True if parallel is None else parallel)
 
 
+#: What tool_choice may be.
+_CHOICES = ' must be "auto", "none", "required" or {"type": "function", "function": {"name": "..."}}'
+
+
 def _check_parameters(parameters: dict[str, Any], at: str) -> None:
-    """A 400 for parameters that are no JSON schema, or one that cannot describe an object."""
+    """A 400 for parameters (the client's ``at``) that are no JSON schema, or one that cannot
+    describe an object."""
     import jsonschema
 
     if _json_depth(parameters, 4 * MAX_DEPTH):
-        raise _bad_tools(f"{at} nests deeper than {4 * MAX_DEPTH} levels")
+        raise _bad_tools(f"{at} nests deeper than {4 * MAX_DEPTH} levels", at)
     try:
         jsonschema.Draft202012Validator.check_schema(parameters)
     except jsonschema.SchemaError as exc:
         where = _pointer(tuple(str(p) for p in exc.absolute_path))
         raise _bad_tools(f"{at} is not valid JSON Schema (draft 2020-12): {_short(exc.message)} "
-                         f"at {_where(where)}") from None
+                         f"at {_where(where)}", at) from None
     except RecursionError:
-        raise _bad_tools(f"{at} nests too deep") from None
+        raise _bad_tools(f"{at} nests too deep", at) from None
     kind = parameters.get("type")
     if kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
-        raise _bad_tools(f"{at} must describe an object (type \"object\"), got type {kind!r}")
+        raise _bad_tools(f"{at} must describe an object (type \"object\"), got type {kind!r}", at)
 
 
 # ---------------------------------------------------------------------------- tool prompt
@@ -724,11 +744,11 @@ def parse_calls(text: str, tools: Tools) -> tuple[str, list[dict[str, Any]]]:
 
 # ---------------------------------------------------------------------------- GBNF
 
-def _bad_grammar(detail: str, param: str = "grammar") -> sdk.LocalmError:
+def _bad_grammar(detail: str, param: str) -> sdk.LocalmError:
     return sdk.LocalmError(400, detail, code="invalid_grammar", param=param)
 
 
-def _trigger(item: Any, at: str) -> str:
+def _trigger(item: Any, at: str, param: str) -> str:
     """One grammar_triggers entry's word: a string, {"type": "word" (or llama.cpp's 1),
     "value": ...}, or llama.cpp's older {"word": ...}."""
     if isinstance(item, str):
@@ -736,19 +756,18 @@ def _trigger(item: Any, at: str) -> str:
     elif isinstance(item, dict):
         kind = item.get("type", "word")
         if kind != "word" and not (type(kind) is int and kind == 1):
-            raise _bad_grammar(f"{at}: only word triggers are supported (type \"word\"), got type {kind!r}",
-                               "grammar_triggers")
+            raise _bad_grammar(f"{at}: only word triggers are supported (type \"word\"), got type {kind!r}", param)
         if item.get("at_start"):
-            raise _bad_grammar(f"{at}: at_start is not supported", "grammar_triggers")
+            raise _bad_grammar(f"{at}: at_start is not supported", param)
         word = item.get("value", item.get("word"))
     else:
-        raise _bad_grammar(f"{at} must be a string or {{\"type\": \"word\", \"value\": \"...\"}}", "grammar_triggers")
+        raise _bad_grammar(f"{at} must be a string or {{\"type\": \"word\", \"value\": \"...\"}}", param)
     if not isinstance(word, str) or not word:
-        raise _bad_grammar(f"{at}: the trigger word must be a non-empty string", "grammar_triggers")
+        raise _bad_grammar(f"{at}: the trigger word must be a non-empty string", param)
     return word
 
 
-def read_grammar(body: dict[str, Any]) -> tuple[str, str | None] | None:
+def read_grammar(body: dict[str, Any], origins: Origins = OPENAI) -> tuple[str, str | None] | None:
     """grammar (GBNF, as llama.cpp takes it; a Lark grammar for llguidance is accepted too),
     grammar_lazy (default false) and grammar_triggers: (llguidance grammar, trigger or None),
     or None without a grammar (an empty one included).
@@ -760,44 +779,45 @@ def read_grammar(body: dict[str, Any]) -> tuple[str, str | None] | None:
     it, unlike in llama.cpp, whose lazy grammar matches from the trigger on). Triggers
     without grammar_lazy: true are a 400. A grammar that does not convert or compile is a 400
     ``invalid_grammar`` with the converter's message. Combinations with response_format or
-    tools are the caller's to refuse.
+    tools are the caller's to refuse. Fields are named as ``origins`` says the client calls them.
     """
     from llguidance import LLMatcher, gbnf_to_lark
 
     text = body.get("grammar")
     lazy = body.get("grammar_lazy")
     triggers = body.get("grammar_triggers")
+    named, lazy_named, triggers_named = (origins.name(key) for key in ("grammar", "grammar_lazy", "grammar_triggers"))
     if lazy is not None and not isinstance(lazy, bool):
-        raise _bad_grammar("grammar_lazy must be true or false", "grammar_lazy")
+        raise _bad_grammar(f"{lazy_named} must be true or false", lazy_named)
     if triggers is not None and not isinstance(triggers, list):
-        raise _bad_grammar("grammar_triggers must be a list", "grammar_triggers")
+        raise _bad_grammar(f"{triggers_named} must be a list", triggers_named)
     if text is not None and not isinstance(text, str):
-        raise _bad_grammar("grammar must be a string (GBNF)")
+        raise _bad_grammar(f"{named} must be a string (GBNF)", named)
     if not text:
         if lazy or triggers:
-            raise _bad_grammar("grammar_lazy and grammar_triggers need a grammar",
-                               "grammar_lazy" if lazy else "grammar_triggers")
+            raise _bad_grammar(f"{lazy_named} and {triggers_named} need a grammar",
+                               lazy_named if lazy else triggers_named)
         return None
-    words = [_trigger(t, f"grammar_triggers[{i}]") for i, t in enumerate(triggers or [])]
+    words = [_trigger(t, origins.name("grammar_triggers", i), triggers_named) for i, t in enumerate(triggers or [])]
     if lazy:
         if not words:
-            raise _bad_grammar("grammar_lazy: true needs one trigger in grammar_triggers", "grammar_triggers")
+            raise _bad_grammar(f"{lazy_named}: true needs one trigger in {triggers_named}", triggers_named)
         if len(words) > 1:
-            raise _bad_grammar(f"grammar_triggers holds {len(words)} triggers; a lazy grammar takes exactly one",
-                               "grammar_triggers")
+            raise _bad_grammar(f"{triggers_named} holds {len(words)} triggers; a lazy grammar takes exactly one",
+                               triggers_named)
     elif words:
-        raise _bad_grammar("grammar_triggers needs grammar_lazy: true", "grammar_triggers")
+        raise _bad_grammar(f"{triggers_named} needs {lazy_named}: true", triggers_named)
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
-        raise _bad_grammar(f"grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
+        raise _bad_grammar(f"{named} is larger than {MAX_GRAMMAR_BYTES} bytes", named)
     try:
         if "::=" in text or not gbnf_to_lark.is_lark_syntax(text):
             lark = gbnf_to_lark.gbnf_to_lark(text)
         else:
             lark = text
     except Exception as exc:  # the converter raises plain Exceptions too
-        raise _bad_grammar(f"The grammar is not valid GBNF: {_short(str(exc), 600)}") from None
+        raise _bad_grammar(f"The grammar is not valid GBNF: {_short(str(exc), 600)}", named) from None
     grammar = LLMatcher.grammar_from_lark(lark)
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        raise _bad_grammar(f"The grammar does not compile: {_short(error, 600)}")
+        raise _bad_grammar(f"The grammar does not compile: {_short(error, 600)}", named)
     return grammar, (words[0] if lazy else None)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from localm import sdk
+from localm.sdk.chat import Origins
 
 log = logging.getLogger("localm.plugin.chat")
 
@@ -38,6 +39,8 @@ MESSAGE_USED = {"role", "content", "untrusted_spans", "origin"}
 #: Message fields read for one role only.
 ROLE_USED = {"assistant": {"tool_calls"}, "tool": {"tool_call_id", "name"}}
 PART_USED = {"type", "text"}
+#: A body's places as OpenAI names them (a request with no origins).
+OPENAI = Origins()
 
 
 def _no_change(key: str, value: Any) -> bool:
@@ -100,21 +103,24 @@ def check(route: str, body: dict[str, Any], headers: Any, used: set[str] | None 
     """
     used = USED[route] if used is None else used
     refuse_not_honoured(route, body, used)
-    return sdk.report_ignored(list(_unused(route, body, used)), headers, ROUTE_NAMES[route], log=log)
+    return sdk.report_ignored(list(_unused(route, body, used, OPENAI)), headers, ROUTE_NAMES[route], log=log)
 
 
-def refuse_not_honoured(route: str, body: dict[str, Any], used: set[str]) -> None:
-    """400 field_not_honoured for an output-changing field nothing here serves."""
+def refuse_not_honoured(route: str, body: dict[str, Any], used: set[str], origins: Origins = OPENAI) -> None:
+    """400 field_not_honoured for an output-changing field nothing here serves (named as
+    ``origins`` says the client calls it)."""
     for key, value in body.items():
         if key in NOT_HONOURED and key not in used and not _no_change(key, value):
             reason = NOT_HONOURED_ON.get(route, {}).get(key, NOT_HONOURED[key])
-            raise sdk.LocalmError(400, f"{key} cannot be honoured on {ROUTE_NAMES[route]}: {reason}",
-                                  code="field_not_honoured", field=key)
+            where = origins.name(key)
+            raise sdk.LocalmError(400, f"{where} cannot be honoured on {ROUTE_NAMES[route]}: {reason}",
+                                  code="field_not_honoured", field=where)
 
 
-def unused(route: str, body: dict[str, Any], used: set[str]) -> list[str]:
-    """Where ``body`` holds fields the route does not use (``messages[2].name``, ...)."""
-    return list(_unused(route, body, used))
+def unused(route: str, body: dict[str, Any], used: set[str], origins: Origins = OPENAI) -> list[str]:
+    """Where ``body`` holds fields the route does not use (``messages[2].name``, ...), as the
+    client names them."""
+    return list(_unused(route, body, used, origins))
 
 
 def claimed(location: str, claims: set[str]) -> bool:
@@ -126,20 +132,21 @@ ROUTE_NAMES = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
                "rerank": "/v1/rerank"}
 
 
-def _unused(route: str, body: dict[str, Any], used: set[str]) -> Iterable[str]:
+def _unused(route: str, body: dict[str, Any], used: set[str], origins: Origins) -> Iterable[str]:
+    name = origins.name
     for key, value in body.items():
         if key in used:
             continue
         if key in NOT_HONOURED and _no_change(key, value):
             continue  # a "no change" value is honoured by doing nothing
-        yield key
+        yield name(key)
     if route == "rerank" and isinstance(body.get("documents"), list):
         for i, document in enumerate(body["documents"]):
             if isinstance(document, dict):
-                yield from (f"documents[{i}].{key}" for key in document if key not in DOCUMENT_USED)
+                yield from (name("documents", i, key) for key in document if key not in DOCUMENT_USED)
     kwargs = body.get("chat_template_kwargs")
     if route == "chat" and isinstance(kwargs, dict):
-        yield from (f"chat_template_kwargs.{key}" for key in kwargs if key != "enable_thinking")
+        yield from (name("chat_template_kwargs", key) for key in kwargs if key != "enable_thinking")
     if route == "chat" and isinstance(body.get("messages"), list):
         for i, m in enumerate(body["messages"]):
             if not isinstance(m, dict):
@@ -147,10 +154,10 @@ def _unused(route: str, body: dict[str, Any], used: set[str]) -> Iterable[str]:
             role_used = ROLE_USED.get(m.get("role"), set())
             for key in m:
                 if key not in MESSAGE_USED and key not in role_used and not (key == "tool_calls" and not m[key]):
-                    yield f"messages[{i}].{key}"
+                    yield name("messages", i, key)
             if isinstance(m.get("content"), list):
                 for j, part in enumerate(m["content"]):
                     if isinstance(part, dict):
                         for key in part:
                             if key not in PART_USED:
-                                yield f"messages[{i}].content[{j}].{key}"
+                                yield name("messages", i, "content", j, key)

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 from localm import sdk
 from localm.sdk import engines as spec
+from localm.sdk.chat import Origins
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -38,33 +39,40 @@ class Common:
 
 
 class Reader:
-    """Collects type errors across fields, so one 422 names them all."""
+    """Collects type errors across fields, so one 422 names them all, each field named as the
+    client sent it (``origins``)."""
 
-    def __init__(self, body: Any) -> None:
+    def __init__(self, body: Any, origins: Origins | None = None) -> None:
         if not isinstance(body, dict):
             raise Invalid([{"key": "body", "message": "must be a JSON object"}])
         self.body = body
+        self.origins = origins if origins is not None else Origins()
         self.errors: list[dict[str, str]] = []
         #: where the messages hold image or audio parts: a chat plugin may turn them into text
         #: (a transcript), and what is left is refused once the model is known
         self.media: list[str] = []
 
+    def name(self, *path: str | int) -> str:
+        """The client's name for a place of the chat body (``messages[3].content`` → ``input[2].content``)."""
+        return self.origins.name(*path)
+
+    def error(self, message: str, *path: str | int) -> None:
+        """Note a field of the wrong type, for the 422."""
+        self.errors.append({"key": self.name(*path), "message": message})
+
     def get(self, key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
         value = self.body.get(key, default)
         if value is None:
             return default
-        if isinstance(value, bool) and bool not in kinds:
-            self.errors.append({"key": key, "message": f"must be {what}"})
-            return default
-        if not isinstance(value, kinds):
-            self.errors.append({"key": key, "message": f"must be {what}"})
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            self.error(f"must be {what}", key)
             return default
         return value
 
     def number(self, key: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
         value = self.get(key, (int, float), "a number", default)
         if value is not default and ((lo is not None and value < lo) or (hi is not None and value > hi)):
-            raise sdk.LocalmError(400, f"{key} must be between {lo} and {hi}, got {value}")
+            raise sdk.LocalmError(400, f"{self.name(key)} must be between {lo} and {hi}, got {value}")
         return float(value)
 
     def done(self) -> None:
@@ -80,18 +88,20 @@ def read_common(r: Reader) -> Common:
     include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
     n = r.get("n", (int,), "an integer", 1)
     if n != 1:
-        raise sdk.LocalmError(400, "n must be 1: localm returns one choice per request")
+        raise sdk.LocalmError(400, f"{r.name('n')} must be 1: localm returns one choice per request")
     max_tokens = r.get("max_tokens", (int,), "an integer")
     max_completion = r.get("max_completion_tokens", (int,), "an integer")
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise sdk.LocalmError(400, "max_tokens and max_completion_tokens differ: send one of them")
+        raise sdk.LocalmError(400, f"{r.name('max_tokens')} and {r.name('max_completion_tokens')} differ: "
+                                   "send one of them")
     cap = max_tokens if max_tokens is not None else max_completion
     if cap is not None and cap < 1:
-        raise sdk.LocalmError(400, "max_tokens must be at least 1")
+        raise sdk.LocalmError(400, f"{r.name('max_tokens' if max_tokens is not None else 'max_completion_tokens')} "
+                                   "must be at least 1")
     defaults = spec.Sampling()
     seed = r.get("seed", (int,), "an integer")
     if seed is not None and not 0 <= seed < 2**32:
-        raise sdk.LocalmError(400, f"seed must be an integer from 0 to {2**32 - 1}, got {seed}")
+        raise sdk.LocalmError(400, f"{r.name('seed')} must be an integer from 0 to {2**32 - 1}, got {seed}")
     sampling = spec.Sampling(
         max_tokens=cap,
         temperature=r.number("temperature", defaults.temperature, 0, 2),
@@ -110,16 +120,17 @@ def read_common(r: Reader) -> Common:
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stops = tuple(stop)
     elif stop is not None:
-        r.errors.append({"key": "stop", "message": "must be a string or a list of strings"})
+        r.error("must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOPS:
-        raise sdk.LocalmError(400, f"stop holds {len(stops)} sequences; at most {MAX_STOPS} are accepted")
+        raise sdk.LocalmError(400, f"{r.name('stop')} holds {len(stops)} sequences; at most {MAX_STOPS} are accepted")
     for s in stops:
         if len(s) > MAX_STOP_CHARS:
-            raise sdk.LocalmError(400, f"a stop sequence is {len(s)} characters; at most {MAX_STOP_CHARS}")
+            raise sdk.LocalmError(400, f"a stop sequence ({r.name('stop')}) is {len(s)} characters; at most "
+                                       f"{MAX_STOP_CHARS}")
     stops = tuple(s for s in stops if s)
     num_ctx = r.get("num_ctx", (int,), "an integer")
     if num_ctx is not None and not 1 <= num_ctx <= MAX_NUM_CTX:
-        raise sdk.LocalmError(400, f"num_ctx must be from 1 to {MAX_NUM_CTX}, got {num_ctx}")
+        raise sdk.LocalmError(400, f"{r.name('num_ctx')} must be from 1 to {MAX_NUM_CTX}, got {num_ctx}")
     return Common(model=model, stream=stream, include_usage=include_usage, sampling=sampling, stops=stops,
                   cache_prompt=cache_prompt, num_ctx=num_ctx, background=background_task(r.body))
 
@@ -183,20 +194,22 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
     tool_call_id, name (tool results), untrusted_spans (clamped) and origin."""
     messages = r.body.get("messages")
     if not isinstance(messages, list) or not messages:
-        r.errors.append({"key": "messages", "message": "must be a non-empty list of messages"})
+        r.error("must be a non-empty list of messages", "messages")
         return []
     if len(messages) > MAX_MESSAGES:
-        raise sdk.LocalmError(400, f"messages holds {len(messages)} items; at most {MAX_MESSAGES} are accepted",
-                              code="limit_exceeded", field="messages", limit=MAX_MESSAGES, param="messages")
+        where = r.name("messages")
+        raise sdk.LocalmError(400, f"{where} holds {len(messages)} items; at most {MAX_MESSAGES} are accepted",
+                              code="limit_exceeded", field=where, limit=MAX_MESSAGES, param=where)
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            r.errors.append({"key": f"messages[{i}]", "message": "must be an object with a role"})
+            r.error("must be an object with a role", "messages", i)
             continue
         role = "system" if m["role"] == "developer" else m["role"]
         if role not in ("system", "user", "assistant", "tool"):
-            raise sdk.LocalmError(400, f"messages[{i}].role {m['role']!r} is not one of system, developer, "
-                                       "user, assistant, tool")
+            where = r.name("messages", i, "role")
+            raise sdk.LocalmError(400, f"{where} {m['role']!r} is not one of system, developer, user, assistant, "
+                                       "tool", param=where)
         content = m.get("content")
         if isinstance(content, list):
             parts = []
@@ -204,20 +217,20 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
                 if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                     parts.append(part["text"])
                 elif isinstance(part, dict) and part.get("type") in ("image_url", "input_audio"):
-                    r.media.append(f"messages[{i}].content[{j}]")
+                    r.media.append(r.name("messages", i, "content", j))
                 else:
-                    r.errors.append({"key": f"messages[{i}].content[{j}]", "message": "must be a text part"})
+                    r.error("must be a text part", "messages", i, "content", j)
             content = "".join(parts)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
-            r.errors.append({"key": f"messages[{i}].content", "message": "must be a string or a list of parts"})
+            r.error("must be a string or a list of parts", "messages", i, "content")
             continue
         message: dict[str, Any] = {"role": role, "content": content}
         origin = m.get("origin")
         if origin is not None:
             if origin not in ORIGINS:
-                r.errors.append({"key": f"messages[{i}].origin", "message": 'must be "tool", "client" or null'})
+                r.error('must be "tool", "client" or null', "messages", i, "origin")
             else:
                 message["origin"] = origin
         spans = m.get("untrusted_spans")
@@ -225,8 +238,7 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
             if not isinstance(spans, list) or not all(
                     isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
                                                                 for x in s) for s in spans):
-                r.errors.append({"key": f"messages[{i}].untrusted_spans",
-                                 "message": "must be a list of [start, end] integer pairs"})
+                r.error("must be a list of [start, end] integer pairs", "messages", i, "untrusted_spans")
             else:
                 size = len(content)
                 clamped = sorted((max(0, min(a, size)), max(0, min(b, size))) for a, b in spans)
@@ -242,15 +254,14 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
 
 
 def _read_calls(r: Reader, i: int, calls: Any) -> list[dict[str, Any]]:
-    where = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
-        r.errors.append({"key": where, "message": "must be a list of tool calls"})
+        r.error("must be a list of tool calls", "messages", i, "tool_calls")
         return []
     out = []
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            r.errors.append({"key": f"{where}[{j}]", "message": "must be a function call with a name"})
+            r.error("must be a function call with a name", "messages", i, "tool_calls", j)
             continue
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
@@ -304,36 +315,41 @@ def read_options(r: Reader, route: str) -> Options:
         wanted = r.get("logprobs", (bool,), "true or false", False)
         top = r.get("top_logprobs", (int,), "an integer from 0 to 20")
         if top is not None and not 0 <= top <= 20:
-            raise sdk.LocalmError(400, f"top_logprobs must be from 0 to 20, got {top}", param="top_logprobs")
+            where = r.name("top_logprobs")
+            raise sdk.LocalmError(400, f"{where} must be from 0 to 20, got {top}", param=where)
         if top and not wanted:
-            raise sdk.LocalmError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            where = r.name("top_logprobs")
+            raise sdk.LocalmError(400, f"{where} needs {r.name('logprobs')}: true", param=where)
         logprobs = (top or 0) if wanted else None
     else:
         logprobs = r.get("logprobs", (int,), "an integer from 0 to 20")
         if logprobs is not None and not 0 <= logprobs <= 20:
-            raise sdk.LocalmError(400, f"logprobs must be from 0 to 20, got {logprobs}", param="logprobs")
+            where = r.name("logprobs")
+            raise sdk.LocalmError(400, f"{where} must be from 0 to 20, got {logprobs}", param=where)
     token_ids = r.get("return_tokens_as_token_ids", (bool,), "true or false", False)
     add_special = r.get("add_special_tokens", (bool,), "true or false", True) if route == "completions" else True
-    fmt = constrained.read_response_format(body.get("response_format")) if route == "chat" else None
-    tools = constrained.read_tools(body) if route == "chat" else None
-    grammar = constrained.read_grammar(body)
+    fmt = constrained.read_response_format(body.get("response_format"), r.origins) if route == "chat" else None
+    tools = constrained.read_tools(body, r.origins) if route == "chat" else None
+    grammar = constrained.read_grammar(body, r.origins)
     if grammar is not None and (fmt is not None or (tools is not None and tools.choice != "none")):
-        raise sdk.LocalmError(400, "grammar cannot be combined with response_format or tools",
-                              code="invalid_grammar", param="grammar")
+        where = r.name("grammar")
+        raise sdk.LocalmError(400, f"{where} cannot be combined with {r.name('response_format')} or "
+                                   f"{r.name('tools')}", code="invalid_grammar", param=where)
     if fmt is not None and r.body.get("stop"):
-        raise sdk.LocalmError(400, "stop cannot be combined with response_format: a stop sequence could cut the "
-                                   "document and report it complete", code="response_format_unsupported",
-                              param="stop")
+        where = r.name("stop")
+        raise sdk.LocalmError(400, f"{where} cannot be combined with {r.name('response_format')}: a stop sequence "
+                                   "could cut the document and report it complete",
+                              code="response_format_unsupported", param=where)
     thinking = None
     if route == "chat":
         kwargs = r.get("chat_template_kwargs", (dict,), "an object", {})
         enable = kwargs.get("enable_thinking") if isinstance(kwargs, dict) else None
         if enable is not None and not isinstance(enable, bool):
-            r.errors.append({"key": "chat_template_kwargs.enable_thinking", "message": "must be true or false"})
+            r.error("must be true or false", "chat_template_kwargs", "enable_thinking")
             enable = None
         effort = r.get("reasoning_effort", (str,), "a string")
         if effort is not None and effort not in EFFORTS:
-            r.errors.append({"key": "reasoning_effort", "message": "must be one of " + ", ".join(EFFORTS)})
+            r.error("must be one of " + ", ".join(EFFORTS), "reasoning_effort")
         thinking = enable if enable is not None else (False if effort == "none" else None)
         if thinking is None and (fmt is not None or (tools is not None and tools.choice in ("required", "named"))):
             thinking = False  # a format (or a forced call) is answered without thinking unless asked

@@ -2,8 +2,10 @@
 
 The chat plugin provides it to other plugins as ``host.chat``. A surface (the
 OpenAI routes here; the Ollama, Anthropic and Responses plugins) parses its own request
-into an OpenAI chat-completions body, hands it to :meth:`ChatService.chat` (or a prompt to
-:meth:`ChatService.complete`), and renders what the returned :class:`Generation` yields:
+into an OpenAI chat-completions body, hands it to :meth:`ChatService.chat` as an
+``sdk.chat.ChatRequest`` (the body, and the origins of its places in the client's request),
+or a prompt to :meth:`ChatService.complete`, and renders what the returned
+:class:`Generation` yields:
 
 - :class:`pipeline.Status` while waiting or starting, :class:`pipeline.Piece` for visible
   text (with its tokens' log probabilities when asked), :class:`pipeline.Reasoning` for the
@@ -13,8 +15,9 @@ into an OpenAI chat-completions body, hands it to :meth:`ChatService.chat` (or a
 
 Every refusal before generation (a malformed field, an unknown model, a prompt that does
 not fit) is a :class:`sdk.LocalmError` raised by ``chat``/``complete``, with the status the
-OpenAI routes would answer; a surface renders it in its own error shape. Fields are read
-by the same readers as the OpenAI routes, so a field means the same on every surface.
+OpenAI routes would answer, naming each field as the request's origins say the client
+calls it; a surface renders it in its own error shape. Fields are read by the same
+readers as the OpenAI routes, so a field means the same on every surface.
 
 The chat hooks run here for every surface: the chat_inlet hooks inside ``chat`` and
 ``complete``, the chat_stream hooks on each item of ``generation.items()`` (a streamed
@@ -37,6 +40,7 @@ from typing import Any
 import attrs
 from localm import sdk
 from localm.sdk import engines as spec
+from localm.sdk.chat import ChatRequest, Origins
 
 from . import compaction, constrained, fields, hooks, pipeline
 from . import rerank as reranking
@@ -52,8 +56,6 @@ _NOT_CHAT = {"embedding": ("an embedding model", "embeds text at /v1/embeddings"
              "reranker": ("a reranker", "scores documents at /v1/rerank"),
              "stt": ("a speech-to-text model", "transcribes audio at /v1/audio/transcriptions"),
              "tts": ("a text-to-speech voice", "speaks at /v1/audio/speech")}
-#: What each surface calls the reply cap its request's max_tokens came from (OpenAI: max_tokens).
-_CAP_NAMES = {"ollama": "options.num_predict", "responses": "max_output_tokens"}
 
 
 def fingerprint(entry: Any, engine: Any) -> str:
@@ -106,6 +108,7 @@ class Generation:
     model: str  # the model name to show: the one asked for, or the model that answers
     received: float  # time.perf_counter() when the request arrived
     chain: hooks.Chain  # this request's chat hooks
+    request: ChatRequest  # the request as read (after the inlet hooks)
     messages: list[dict[str, Any]] | None = None  # the messages after the inlet hooks (chat only)
     outcome: pipeline.Outcome = attrs.Factory(pipeline.Outcome)
     reads: list[tuple[Any, Any]] = attrs.Factory(list)  # (ActivationRead, done) from forward_interventions
@@ -262,6 +265,21 @@ class Generation:
         return reply
 
 
+def _asked(body: ChatRequest | dict[str, Any], extra: dict[str, Any] | None) -> ChatRequest:
+    """The request a surface handed over: a bare body is an OpenAI request (no origins)."""
+    if isinstance(body, dict):
+        return ChatRequest(body=body, extra=extra or {})
+    return attrs.evolve(body, extra={**body.extra, **extra}) if extra else body
+
+
+def _read(asked: ChatRequest, common: Common, options: Options,
+          messages: list[dict[str, Any]] | None = None) -> ChatRequest:
+    """The request with what the readers made of it (after the inlet hooks) filled in."""
+    return attrs.evolve(asked, model=common.model, stream=common.stream, messages=messages,
+                        sampling=common.sampling, stops=common.stops, tools=options.tools, format=options.fmt,
+                        logprobs=options.logprobs, thinking=options.thinking)
+
+
 @contextlib.contextmanager
 def _released_on_error(hold: Any) -> Iterator[Any]:
     """The held model's resident; the hold is released if preparing the request fails."""
@@ -398,18 +416,21 @@ class ChatService:
         """An error text with absolute paths cut to file names, as every surface sends it."""
         return pipeline.redact(text)
 
-    async def chat(self, body: dict[str, Any], *, route: str = "chat.completions", request: Any = None,
-                   report: bool | None = None, ignored: list[str] | None = None, extra: dict[str, Any] | None = None,
-                   request_headers: Any = None, received: float | None = None, compact: bool = True) -> Generation:
-        """Prepare a chat generation from an OpenAI chat-completions ``body``.
+    async def chat(self, body: ChatRequest | dict[str, Any], *, route: str = "chat.completions",
+                   request: Any = None, report: bool | None = None, ignored: list[str] | None = None,
+                   extra: dict[str, Any] | None = None, request_headers: Any = None, received: float | None = None,
+                   compact: bool = True) -> Generation:
+        """Prepare a chat generation from a ChatRequest (or a bare OpenAI chat-completions body,
+        whose places keep their OpenAI names); ``generation.request`` is the request as read.
 
         ``route`` names the surface to the chat hooks (``context.route``). ``request`` is the
         HTTP request: the caller, and the headers X-Localm-Strict is read from. ``report``
         turns on the ignored-fields report (X-Localm-Ignored-Fields, and X-Localm-Strict's
         refusal): on an OpenAI body the service finds the unused fields itself; a surface that
         translated its request passes its own list as ``ignored`` (locations in its words).
-        ``extra`` holds the client's fields the surface did not read: the inlet hooks see
-        them in the request, and a hook that claims one takes it off the report.
+        ``extra`` holds the client's fields the surface did not read (with a ChatRequest's own
+        ``extra``): the inlet hooks see them in the request, and a hook that claims one takes
+        it off the report.
         ``request_headers`` (the older spelling) turns the report on with those headers.
         A conversation too long for the model's window is compacted (``compact=False``:
         refused with a 413 instead).
@@ -419,9 +440,11 @@ class ChatService:
         def read(r: Reader) -> tuple[Common, list[dict[str, Any]], Options]:
             return read_common(r), read_messages(r), read_options(r, "chat")
 
+        asked = _asked(body, extra)
         (common, messages, options), chain, steering, headers = await self._admit(
-            "chat", body, read, route=route, request=request, report=report, ignored=ignored, extra=extra,
+            "chat", asked, read, route=route, request=request, report=report, ignored=ignored,
             request_headers=request_headers)
+        asked = _read(asked, common, options, messages)
 
         budget = self._budget()
 
@@ -446,18 +469,19 @@ class ChatService:
             headers["X-Localm-Context-Compacted"] = "1"
             return prompt, opened
 
-        generation = await self._prepare(common, options, render, headers, received, chain, steering,
+        generation = await self._prepare(asked, common, options, render, headers, received, chain, steering,
                                          fit=fit if compact else None)
         generation.messages = compacted[0] if compacted else messages
         return generation
 
-    async def complete(self, body: dict[str, Any], *, route: str = "completions", request: Any = None,
+    async def complete(self, body: ChatRequest | dict[str, Any], *, route: str = "completions", request: Any = None,
                        report: bool | None = None, ignored: list[str] | None = None,
                        extra: dict[str, Any] | None = None, request_headers: Any = None,
                        received: float | None = None) -> Generation:
-        """Prepare a text completion from an OpenAI completions ``body`` (``prompt`` one string):
-        the prompt goes to the model as written, with no chat template. The chat hooks run as
-        for ``chat``; the inlet hooks see ``prompt`` where a chat has ``messages``."""
+        """Prepare a text completion from an OpenAI completions ``body`` (``prompt`` one string),
+        bare or in a ChatRequest with its origins: the prompt goes to the model as written, with
+        no chat template. The chat hooks run as for ``chat``; the inlet hooks see ``prompt``
+        where a chat has ``messages``."""
         received = time.perf_counter() if received is None else received
 
         def read(r: Reader) -> tuple[Common, str, Options]:
@@ -472,14 +496,16 @@ class ChatService:
             r.get("echo", (bool,), "true or false", False)
             return common, prompt_text, read_options(r, "completions")
 
+        asked = _asked(body, extra)
         (common, prompt_text, options), chain, steering, headers = await self._admit(
-            "completions", body, read, route=route, request=request, report=report, ignored=ignored, extra=extra,
+            "completions", asked, read, route=route, request=request, report=report, ignored=ignored,
             request_headers=request_headers)
 
         def render(engine: Any) -> tuple[list[int], bool]:
             return engine.tokenize(prompt_text, add_special=options.add_special), False
 
-        return await self._prepare(common, options, render, headers, received, chain, steering)
+        return await self._prepare(_read(asked, common, options), common, options, render, headers, received, chain,
+                                   steering)
 
     async def embed(self, model: str | None, texts: list[str]) -> tuple[Any, list[list[float]], int]:
         """The registry entry, one normalised vector per text, and the tokens they took. No
@@ -515,10 +541,10 @@ class ChatService:
         sdk.annotate(model=entry.id, tokens_in=tokens)
         return entry, results, tokens
 
-    async def count_tokens(self, body: dict[str, Any], *, route: str = "anthropic.count_tokens",
+    async def count_tokens(self, body: ChatRequest | dict[str, Any], *, route: str = "anthropic.count_tokens",
                            request: Any = None, extra: dict[str, Any] | None = None) -> int:
-        """The prompt tokens a chat ``body`` would take (its messages, tools and template, after
-        the chat_inlet hooks), loading the model that would answer it. An engine that answers
+        """The prompt tokens a chat request (or a bare chat ``body``) would take (its messages,
+        tools and template, after the chat_inlet hooks), loading the model that would answer it. An engine that answers
         whole chat requests counts them with its ``count_request(body)`` where it has one (the
         remote engine asks its upstream); else the request's messages are estimated at 4
         characters a token."""
@@ -537,13 +563,14 @@ class ChatService:
                 generation.hold.release()
 
     # --- the steps of chat and complete -------------------------------------------------------
-    async def _admit(self, kind: str, body: dict[str, Any], read: Any, *, route: str, request: Any,
-                     report: bool | None, ignored: list[str] | None, extra: dict[str, Any] | None,
+    async def _admit(self, kind: str, asked: ChatRequest, read: Any, *, route: str, request: Any,
+                     report: bool | None, ignored: list[str] | None,
                      request_headers: Any) -> tuple[Any, hooks.Chain, Interventions, dict[str, str]]:
         """Read the client's request (``read`` returns common fields first, options last), run
         the inlet hooks and read what they left, ask for steering, then check the fields
         against what was claimed: (what ``read`` returned, the hooks, the steering, headers)."""
-        r = Reader(body)
+        body = asked.body
+        r = Reader(body, asked.origins)
         parsed = read(r)
         r.done()
         media = r.media
@@ -551,15 +578,15 @@ class ChatService:
         chain = hooks.Chain(self.host, route=route, streamed=parsed[0].stream, caller=caller)
 
         def check(hooked: dict[str, Any], plugin: str) -> Any:
-            return self._reread(hooked, read, plugin, parsed[0])
+            return self._reread(hooked, asked.origins, read, plugin, parsed[0])
 
-        hooked, changed_by, checked = await chain.inlet(self._hooked(body, extra, kind, chain), check)
+        hooked, changed_by, checked = await chain.inlet(self._hooked(body, asked.extra, kind, chain), check)
         if changed_by:
             parsed, media = checked
         chain.media = media
         steering = await self._interventions(hooked, parsed[0])
-        headers = self._fields(kind, body, request, request_headers, report, ignored, chain, steering)
-        self._check_stream(parsed[-1], parsed[0], chain)
+        headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
+        self._check_stream(parsed[-1], parsed[0], chain, asked.origins)
         return parsed, chain, steering, headers
 
     @staticmethod
@@ -574,13 +601,13 @@ class ChatService:
                 hooked[key] = copy.deepcopy(value)
         return hooked
 
-    def _reread(self, hooked: dict[str, Any], read: Any, plugin: str, before: Common) -> Any:
+    def _reread(self, hooked: dict[str, Any], origins: Origins, read: Any, plugin: str, before: Common) -> Any:
         """Read a request an inlet hook changed, as the client's was read (raising
-        hooks.Unreadable with the reason when it cannot be). A model it names must be
-        registered. ``stream`` stays what the client asked for: the surface has already
-        chosen how to answer."""
+        hooks.Unreadable with the reason when it cannot be), its places named by the client's
+        origins still. A model it names must be registered. ``stream`` stays what the client
+        asked for: the surface has already chosen how to answer."""
         try:
-            r = Reader(hooked)
+            r = Reader(hooked, origins)
             out = read(r)
             r.done()
         except Exception as exc:  # a refusal of the reader, or a value it could not handle at all
@@ -611,7 +638,7 @@ class ChatService:
         return collected
 
     @staticmethod
-    def _fields(kind: str, body: dict[str, Any], request: Any, request_headers: Any, report: bool | None,
+    def _fields(kind: str, asked: ChatRequest, request: Any, request_headers: Any, report: bool | None,
                 ignored: list[str] | None, chain: hooks.Chain, steering: Interventions) -> dict[str, str]:
         """Refuse what no one honours; the ignored-fields report's headers (maybe none)."""
         headers = request_headers if request_headers is not None else getattr(request, "headers", None)
@@ -622,30 +649,32 @@ class ChatService:
         claims = chain.claims | steering.fields
         if ignored is None:  # an OpenAI body, as the client sent it
             used = fields.USED[kind] | claims
-            fields.refuse_not_honoured(kind, body, used)
-            unused = fields.unused(kind, body, used)
+            fields.refuse_not_honoured(kind, asked.body, used, asked.origins)
+            unused = fields.unused(kind, asked.body, used, asked.origins)
         else:
             unused = [where for where in ignored if not fields.claimed(where, claims)]
         where = request.url.path if request is not None else fields.ROUTE_NAMES[kind]
         return sdk.report_ignored(unused, headers, where, log=log)
 
     @staticmethod
-    def _check_stream(options: Options, common: Common, chain: hooks.Chain) -> None:
+    def _check_stream(options: Options, common: Common, chain: hooks.Chain, origins: Origins) -> None:
         """Log probabilities spell the text the model wrote: a stream a plugin may rewrite has none."""
         if options.logprobs is not None and common.stream and chain.streams:
             names = ", ".join(dict.fromkeys(impl.plugin for impl, _ in chain.streams))
-            raise sdk.LocalmError(400, f"logprobs cannot be honoured on a streamed reply while a chat plugin "
+            where = origins.name("logprobs")
+            raise sdk.LocalmError(400, f"{where} cannot be honoured on a streamed reply while a chat plugin "
                                        f"rewrites the stream ({names}): ask for them without stream",
-                                  code="field_not_honoured", field="logprobs")
+                                  code="field_not_honoured", field=where)
 
-    def _prepare_messages(self, entry: Any, engine: Any, common: Common, options: Options, headers: dict[str, str],
-                          received: float, chain: hooks.Chain, steering: Interventions) -> Generation:
+    def _prepare_messages(self, chat_request: ChatRequest, entry: Any, engine: Any, common: Common, options: Options,
+                          headers: dict[str, str], received: float, chain: hooks.Chain,
+                          steering: Interventions) -> Generation:
         """A generation for an engine that answers whole chat requests (an Open WebUI Pipe): it
         gets the request as the inlet hooks left it. What it cannot be told is refused."""
         caps = engine.capabilities
         if options.logprobs is not None and not caps.logprobs:
             raise sdk.LocalmError(400, f"{entry.id} does not report log probabilities",
-                                  code="field_not_honoured", field="logprobs")
+                                  code="field_not_honoured", field=chat_request.origins.name("logprobs"))
         if steering.items or steering.reads:
             raise sdk.LocalmError(400, f"{entry.id} cannot be steered", code="field_not_honoured",
                                   field=min(steering.fields) if steering.fields else "steering")
@@ -661,10 +690,10 @@ class ChatService:
                                              logprobs=options.logprobs, tools=options.tools,
                                              num_ctx=common.num_ctx, background=common.background),
                           common=common, options=options, headers=headers, model=shown, received=received,
-                          chain=chain, extra=shared.fields)
+                          chain=chain, request=chat_request, extra=shared.fields)
 
-    async def _prepare(self, common: Common, options: Options, render: Any, headers: dict[str, str],
-                       received: float, chain: hooks.Chain, steering: Interventions,
+    async def _prepare(self, chat_request: ChatRequest, common: Common, options: Options, render: Any,
+                       headers: dict[str, str], received: float, chain: hooks.Chain, steering: Interventions,
                        fit: Any = None) -> Generation:
         host = self.host
         asked = common.sampling.max_tokens  # the client's own cap, checked against the window
@@ -677,14 +706,14 @@ class ChatService:
             engine = resident.engine
             caps = engine.capabilities
             if caps.messages:  # it gets the request itself, images and audio included
-                generation = self._prepare_messages(entry, engine, common, options, headers, received, chain,
-                                                    steering)
+                generation = self._prepare_messages(chat_request, entry, engine, common, options, headers, received,
+                                                    chain, steering)
                 generation.hold = hold
                 if common.stream:
                     await generation.prime()
                 return generation
             if chain.media:
-                raise sdk.LocalmError(400, f"{chain.media[0]}: this model takes text only")
+                raise sdk.LocalmError(400, f"{chain.media[0]}: this model takes text only", param=chain.media[0])
             constraint = options.constraint()
             if constraint is not None:
                 if not caps.grammar:
@@ -693,7 +722,7 @@ class ChatService:
                 engine.check_constraint(constraint)
             if options.logprobs is not None and not caps.logprobs:
                 raise sdk.LocalmError(400, f"The {engine.engine} engine does not report log probabilities",
-                                      code="field_not_honoured", field="logprobs")
+                                      code="field_not_honoured", field=chat_request.origins.name("logprobs"))
             if (steering.items or steering.reads) and not caps.interventions:
                 raise sdk.LocalmError(400, f"The {engine.engine} engine cannot steer a generation",
                                       code="field_not_honoured", field=min(steering.fields) if steering.fields
@@ -702,7 +731,7 @@ class ChatService:
             # the window grows up to the model's ceiling; past it the conversation is compacted,
             # leaving room for the whole reply the client asked for
             limit = caps.context_limit
-            cap_name = _CAP_NAMES.get(chain.context.surface, "max_tokens")
+            cap_name = chat_request.origins.name("max_tokens")
             if asked is not None and asked >= limit:  # no prompt, however compacted, leaves that room
                 pipeline.check_reply_fits(len(prompt), asked, limit, cap_name)
             room = asked if asked is not None else compaction.reply_room(common.sampling.max_tokens, limit)
@@ -741,4 +770,4 @@ class ChatService:
         shown = common.model if common.model not in (None, "", "localm") else entry.id
         return Generation(host=host, entry=entry, prompt=prompt, fingerprint=fingerprint(entry, engine), plan=plan,
                           common=common, options=options, headers=headers, model=shown, received=received,
-                          chain=chain, reads=list(steering.reads), extra=shared.fields, hold=hold)
+                          chain=chain, request=chat_request, reads=list(steering.reads), extra=shared.fields, hold=hold)

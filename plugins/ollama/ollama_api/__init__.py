@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from localm import sdk
+from localm.sdk.chat import ChatRequest
 
 from . import info, schema, translate
 from .translate import field
@@ -179,17 +180,16 @@ def _call(call: dict[str, Any], index: int) -> dict[str, Any]:
                                                "arguments": arguments}}
 
 
-async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, Any], raw: bool, entry: Any,
-                  name: str, keep: float | None, stream: bool, ignored: list[str], extra: dict[str, Any],
-                  received: float) -> Any:
+async def _answer(request: sdk.Request, host: Any, kind: str, asked: ChatRequest, raw: bool, entry: Any,
+                  name: str, keep: float | None, stream: bool, ignored: list[str], received: float) -> Any:
     chat = host.chat
     chat.check_chat_model(entry)  # an embedding model is refused, not loaded
     load_s = await _ensure_loaded(host, entry)
     ready = time.perf_counter()
-    body["stream"] = stream
+    asked.body["stream"] = stream
     try:
         prepare = chat.complete if raw else chat.chat
-        gen = await prepare(body, route=f"ollama.{kind}", request=request, report=True, ignored=ignored, extra=extra,
+        gen = await prepare(asked, route=f"ollama.{kind}", request=request, report=True, ignored=ignored,
                             received=received)
     except BaseException:
         await _release(host, entry, keep)
@@ -197,7 +197,7 @@ async def _answer(request: sdk.Request, host: Any, kind: str, body: dict[str, An
     entry = gen.entry  # a chat plugin may have changed the model
     headers = gen.headers
     outcome = gen.outcome
-    want_logprobs = "logprobs" in body
+    want_logprobs = "logprobs" in asked.body
 
     def frame(text: str = "", thinking: str | None = None, calls: list[dict[str, Any]] | None = None,
               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -290,9 +290,8 @@ async def chat_route(request: sdk.Request) -> Any:
     if not body.get("messages"):
         return await _load_form(host, entry, name, keep, stream, "chat")
     ignored: list[str] = []
-    openai = translate.chat_body(body, entry, name, ignored)
-    extra = translate.unread(body, translate.CHAT_FIELDS)
-    return await _answer(request, host, "chat", openai, False, entry, name, keep, stream, ignored, extra, received)
+    asked = translate.chat_request(body, entry, name, ignored)
+    return await _answer(request, host, "chat", asked, False, entry, name, keep, stream, ignored, received)
 
 
 @sdk.post("/api/generate", scope=None, access="inference", error_family="ollama", summary="Ollama generate",
@@ -308,10 +307,8 @@ async def generate_route(request: sdk.Request) -> Any:
     if not field(body, "prompt", (str,), "a string") and not body.get("images"):
         return await _load_form(host, entry, name, keep, stream, "generate")
     ignored: list[str] = []
-    openai, raw = translate.generate_body(body, entry, name, ignored)
-    extra = translate.unread(body, translate.GENERATE_FIELDS)
-    return await _answer(request, host, "generate", openai, raw, entry, name, keep, stream, ignored, extra,
-                         received)
+    asked, raw = translate.generate_request(body, entry, name, ignored)
+    return await _answer(request, host, "generate", asked, raw, entry, name, keep, stream, ignored, received)
 
 
 # --- embeddings ----------------------------------------------------------------------------

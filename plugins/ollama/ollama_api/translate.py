@@ -1,4 +1,6 @@
-"""From Ollama request bodies to the chat service's OpenAI bodies.
+"""From Ollama request bodies to the chat service's requests: OpenAI bodies, with the
+origins of their places in the Ollama request (so the chat service's refusals name
+``options.num_predict``, not ``max_tokens``).
 
 Every Ollama field is used, refused with a 400 that says what to do instead, or named
 in ``X-Localm-Ignored-Fields`` and logged (``sdk.report_ignored``): never dropped
@@ -12,6 +14,7 @@ import re
 from typing import Any
 
 from localm import sdk
+from localm.sdk.chat import ChatRequest, Origins
 
 FOREVER = math.inf
 
@@ -25,6 +28,11 @@ CHAT_FIELDS = {"model", "messages", "tools", "format", "options", "stream", "kee
 GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "context", "stream", "raw", "format", "images",
                    "options", "keep_alive", "think", "logprobs", "top_logprobs"}
 MESSAGE_FIELDS = {"role", "content", "images", "tool_calls", "tool_name", "tool_call_id"}
+#: The chat body's places Ollama names otherwise (a message's places are added per request).
+RENAMED = {**{(key,): f"options.{key}" for key in (*NUMBER_OPTIONS, "top_k", "seed", "num_ctx", "stop")},
+           ("max_tokens",): "options.num_predict", ("response_format",): "format",
+           ("response_format", "json_schema"): "format", ("response_format", "json_schema", "schema"): "format",
+           ("chat_template_kwargs", "enable_thinking"): "think", ("reasoning_effort",): "think"}
 
 
 def field(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
@@ -183,11 +191,14 @@ def _images(value: Any, where: str) -> list[str]:
     return value
 
 
-def _with_images(text: str, images: list[str]) -> Any:
+def _with_images(text: str, images: list[str], k: int, text_at: str, images_at: str,
+                 names: dict[tuple[Any, ...], str]) -> Any:
     """Content with images as OpenAI image parts: the chat path accepts or refuses them as on
-    /v1/chat/completions."""
+    /v1/chat/completions, naming them as the client sent them (``images_at[n]``)."""
     if not images:
         return text
+    names[("messages", k, "content", 0)] = text_at
+    names.update({("messages", k, "content", 1 + n): f"{images_at}[{n}]" for n in range(len(images))})
     return [{"type": "text", "text": text},
             *({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i}"}} for i in images)]
 
@@ -201,9 +212,9 @@ def _call(call: Any, where: str) -> dict[str, Any]:
             "function": {"name": function["name"], "arguments": {} if arguments is None else arguments}}
 
 
-def read_messages(messages: Any, ignored: list[str]) -> list[dict[str, Any]]:
-    """Ollama messages as OpenAI ones: images as image parts, tool_calls with their arguments,
-    tool results named by tool_name."""
+def read_messages(messages: Any, ignored: list[str], names: dict[tuple[Any, ...], str]) -> list[dict[str, Any]]:
+    """Ollama messages as OpenAI ones (one each, so they keep their places): images as image
+    parts, tool_calls with their arguments, tool results named by tool_name."""
     if not isinstance(messages, list):
         raise sdk.LocalmError(400, "messages must be a list of messages")
     out = []
@@ -216,8 +227,10 @@ def read_messages(messages: Any, ignored: list[str]) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise sdk.LocalmError(400, f"{where}.content must be a string")
+        images = _images(m.get("images"), f"{where}.images")
         message: dict[str, Any] = {"role": m.get("role"),
-                                   "content": _with_images(content, _images(m.get("images"), f"{where}.images"))}
+                                   "content": _with_images(content, images, i, f"{where}.content", f"{where}.images",
+                                                           names)}
         calls = m.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
@@ -236,9 +249,10 @@ def read_messages(messages: Any, ignored: list[str]) -> list[dict[str, Any]]:
 
 # --- whole requests ------------------------------------------------------------------
 
-def chat_body(body: dict[str, Any], entry: Any, name: str, ignored: list[str]) -> dict[str, Any]:
-    """POST /api/chat as a chat-completions body."""
-    out: dict[str, Any] = {"model": entry.id, "messages": read_messages(body.get("messages"), ignored)}
+def chat_request(body: dict[str, Any], entry: Any, name: str, ignored: list[str]) -> ChatRequest:
+    """POST /api/chat as a chat request."""
+    names = dict(RENAMED)
+    out: dict[str, Any] = {"model": entry.id, "messages": read_messages(body.get("messages"), ignored, names)}
     tools = body.get("tools")
     if present(tools):
         out["tools"] = tools
@@ -249,12 +263,12 @@ def chat_body(body: dict[str, Any], entry: Any, name: str, ignored: list[str]) -
     read_logprobs(body, out, raw=False)
     read_options(body.get("options"), out, ignored)
     ignored[:0] = [key for key, value in body.items() if key not in CHAT_FIELDS and present(value)]
-    return out
+    return ChatRequest(body=out, origins=Origins(names), extra=unread(body, CHAT_FIELDS))
 
 
-def generate_body(body: dict[str, Any], entry: Any, name: str, ignored: list[str]) -> tuple[dict[str, Any], bool]:
-    """POST /api/generate as a chat-completions body (system + user), or with ``raw`` a text
-    completions body (the prompt as written, no template). Returns (body, raw)."""
+def generate_request(body: dict[str, Any], entry: Any, name: str, ignored: list[str]) -> tuple[ChatRequest, bool]:
+    """POST /api/generate as a chat request (system + user), or with ``raw`` a text
+    completions request (the prompt as written, no template). Returns (request, raw)."""
     prompt = field(body, "prompt", (str,), "a string", "")
     system = field(body, "system", (str,), "a string", "")
     raw = field(body, "raw", (bool,), "true or false", False)
@@ -273,6 +287,7 @@ def generate_body(body: dict[str, Any], entry: Any, name: str, ignored: list[str
         if body.get(key) is not None:
             raise sdk.LocalmError(400, f"{key} is for image generation, which localm's Ollama API does not serve")
     out: dict[str, Any] = {"model": entry.id}
+    names = dict(RENAMED)
     if raw:
         if images:
             raise sdk.LocalmError(400, "images need the chat template: send them without raw: true")
@@ -285,7 +300,10 @@ def generate_body(body: dict[str, Any], entry: Any, name: str, ignored: list[str
         ignored.extend(key for key in ("system", "think") if present(body.get(key)))  # a raw prompt has neither
     else:
         messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": _with_images(prompt, images)})
+        names.update({("messages", 0): "system"} if system else {})
+        names[("messages", len(messages))] = "prompt"
+        messages.append({"role": "user", "content": _with_images(prompt, images, len(messages), "prompt", "images",
+                                                                 names)})
         out["messages"] = messages
         fmt = read_format(body.get("format"))
         if fmt is not None:
@@ -294,4 +312,4 @@ def generate_body(body: dict[str, Any], entry: Any, name: str, ignored: list[str
         read_logprobs(body, out, raw=False)
         read_options(body.get("options"), out, ignored)
     ignored[:0] = [key for key, value in body.items() if key not in GENERATE_FIELDS and present(value)]
-    return out, raw
+    return ChatRequest(body=out, origins=Origins(names), extra=unread(body, GENERATE_FIELDS)), raw

@@ -10,27 +10,21 @@ previous_response_id continues a conversation kept in this process's memory
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import time
 from typing import Any
 
 from localm import sdk
+from localm.sdk.chat import ChatRequest
 
 from . import render, schema
-from .request import parse
+from .request import origins, parse
 from .store import Store
 
 log = logging.getLogger("localm.plugin.responses")
 
 ROUTE = "responses"
 STORE = Store()
-
-#: the chat body's names for the fields the Responses API names otherwise
-RENAMED = (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
-           ("max_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"))
-_TOOL = re.compile(r"tools\[\d+\](\.(name|description|parameters|strict))?")
-_MESSAGE = re.compile(r"messages\[(\d+)\](\.content\[(\d+)\])?")
 
 
 def identity(principal: Any) -> str:
@@ -40,46 +34,6 @@ def identity(principal: Any) -> str:
     if principal.kind in ("owner", "attach"):
         return "owner"
     return principal.kind
-
-
-def _renamed(exc: sdk.LocalmError, origins: list[Any]) -> sdk.LocalmError:
-    """A chat-path refusal in this API's words: text.format for response_format, input[3]
-    for the chat message it became, and a 400 for a field of the wrong type."""
-    def words(text: str) -> str:
-        for old, new in RENAMED:
-            text = text.replace(old, new)
-        text = text.replace('{"type": "function", "function": {"name": "..."}}', '{"type": "function", "name": "..."}')
-        text = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text).replace("tool_choice.function.", "tool_choice.")
-        return _MESSAGE.sub(place, text)
-
-    def place(m: re.Match[str]) -> str:
-        i = int(m.group(1))
-        if i >= len(origins):
-            return m.group(0)
-        origin = origins[i]
-        if isinstance(origin, list):  # a message made of parts from elsewhere (a tool output's images)
-            j = int(m.group(3)) if m.group(3) is not None else None
-            return origin[j] if j is not None and j < len(origin) else origin[0]
-        return origin + (m.group(2) or "")
-
-    extra = dict(exc.extra)
-    if "errors" in extra and isinstance(extra["errors"], list):
-        extra["errors"] = [{**e, "key": words(str(e.get("key", "")))} if isinstance(e, dict) else e
-                           for e in extra["errors"]]
-        if extra["errors"] and "param" not in extra:
-            extra["param"] = extra["errors"][0].get("key")
-    for key in ("param", "field"):
-        if isinstance(extra.get(key), str):
-            extra[key] = words(extra[key])
-    where = _MESSAGE.match(exc.detail)
-    if where and "param" not in extra:
-        extra["param"] = words(where.group(0))
-    detail = words(exc.detail)
-    tool = _TOOL.match(detail)
-    if tool and extra.get("param") == "tools":
-        extra["param"] = tool.group(0)  # the tool at fault, not the whole list
-    status = 400 if exc.status == 422 else exc.status
-    return sdk.LocalmError(status, detail, code=exc.code, headers=exc.headers, **extra)
 
 
 @sdk.post("/v1/responses", scope=None, access="inference", error_family="responses",
@@ -102,13 +56,10 @@ async def create_response(request: sdk.Request) -> Any:
         earlier = stored.messages
     head = [{"role": "system", "content": parsed.instructions}] if parsed.instructions is not None else []
     messages = [*head, *earlier, *parsed.input_messages]
-    origins = ["instructions"] * len(head) + ["previous_response_id"] * len(earlier) + parsed.origins
     chat = host.chat
-    try:
-        gen = await chat.chat({**parsed.body, "messages": messages}, route=ROUTE, request=request,
-                              extra=parsed.unread, received=received)
-    except sdk.LocalmError as exc:
-        raise _renamed(exc, origins) from None
+    asked = ChatRequest(body={**parsed.body, "messages": messages}, extra=parsed.unread,
+                        origins=origins(parsed, len(head), len(earlier)))
+    gen = await chat.chat(asked, route=ROUTE, request=request, received=received)
 
     reply = render.Reply(parsed=parsed, model=gen.model, response_id="resp_" + secrets.token_hex(24),
                          created_at=int(time.time()))

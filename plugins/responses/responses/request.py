@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 from localm import sdk
+from localm.sdk.chat import Origins
 
 log = logging.getLogger("localm.plugin.responses")
 
@@ -49,7 +50,8 @@ class Parsed:
     body: dict[str, Any]  # the chat body; "messages" holds this request's input only
     instructions: str | None
     input_messages: list[dict[str, Any]]  # this request's input, as chat messages (kept in the store)
-    origins: list[Any]  # for each input message, where it came from ("input[3]"; a list: one per part)
+    #: where the input messages' places came from: (3, "content", 1) → "input[2].content[1]"
+    places: dict[tuple[Any, ...], str]
     previous_response_id: str | None
     store: bool
     stream: bool
@@ -196,7 +198,7 @@ def parse(body: Any) -> Parsed:
     raw = body.get("input")
     if raw is None:
         raw = []
-    messages, origins = read_input(raw)
+    messages, places = read_input(raw)
     if not messages and previous is None:
         raise bad("input must not be empty", "input")
 
@@ -222,7 +224,7 @@ def parse(body: Any) -> Parsed:
     }
     chat["messages"] = messages
     chat["stream"] = stream
-    return Parsed(body=chat, instructions=instructions, input_messages=messages, origins=origins,
+    return Parsed(body=chat, instructions=instructions, input_messages=messages, places=places,
                   previous_response_id=previous, store=store, stream=stream, logprobs=logprobs, echo=echo,
                   unread={key: body[key] for key in unknown})
 
@@ -269,24 +271,25 @@ def _content(content: Any, at: str) -> str | list[dict[str, Any]]:
     return [_part(p, f"{at}[{j}]") for j, p in enumerate(content)]
 
 
-def read_input(raw: Any) -> tuple[list[dict[str, Any]], list[Any]]:
-    """input (a string or a list of items) as chat messages, and where each came from (a
-    message of a tool output's images: where each part came from)."""
+def read_input(raw: Any) -> tuple[list[dict[str, Any]], dict[tuple[Any, ...], str]]:
+    """input (a string or a list of items) as chat messages, and the input item each message,
+    tool call and part came from, by its place among the messages (``(3, "tool_calls", 0)``)."""
     if isinstance(raw, str):
-        return [{"role": "user", "content": raw}], ["input"]
+        return [{"role": "user", "content": raw}], {(0,): "input"}
     if not isinstance(raw, list):
         raise bad("input must be a string or a list of items", "input")
     if len(raw) > MAX_ITEMS:
         raise bad(f"input holds {len(raw)} items; at most {MAX_ITEMS} are accepted", "input", "limit_exceeded")
     messages: list[dict[str, Any]] = []
-    origins: list[Any] = []
+    places: dict[tuple[Any, ...], str] = {}
     names: dict[str, str] = {}  # call_id -> function name
     images: list[tuple[dict[str, Any], str]] = []  # images of tool outputs, waiting for the results to end
 
     def flush_images() -> None:
         if images:
+            places[(len(messages),)] = images[0][1]
+            places.update({(len(messages), "content", j): at for j, (_, at) in enumerate(images)})
             messages.append({"role": "user", "content": [part for part, _ in images]})
-            origins.append([at for _, at in images])
             images.clear()
 
     for i, item in enumerate(raw):
@@ -300,9 +303,9 @@ def read_input(raw: Any) -> tuple[list[dict[str, Any]], list[Any]]:
             role = item.get("role")
             if role not in ROLES:
                 raise bad(f"{at}.role must be one of {', '.join(ROLES)}, got {role!r}", at)
+            places[(len(messages),)] = at
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _content(item.get("content"), f"{at}.content")})
-            origins.append(at)
         elif kind == "function_call":
             name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(call_id, str):
@@ -312,11 +315,14 @@ def read_input(raw: Any) -> tuple[list[dict[str, Any]], list[Any]]:
             names[call_id] = name
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-                origins.append(at)
+            if last is None or last["role"] != "assistant":
+                places[(len(messages),)] = at
+                last = {"role": "assistant", "content": ""}
+                messages.append(last)
+            calls = last.setdefault("tool_calls", [])
+            where = (len(messages) - 1, "tool_calls", len(calls))
+            places[where] = places[(*where, "function")] = at  # a call's name and arguments are the item's
+            calls.append(call)
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
@@ -337,8 +343,8 @@ def read_input(raw: Any) -> tuple[list[dict[str, Any]], list[Any]]:
             message = {"role": "tool", "tool_call_id": call_id, "content": output}
             if call_id in names:
                 message["name"] = names[call_id]
+            places[(len(messages),)] = at
             messages.append(message)
-            origins.append(at)
         elif kind == "reasoning":
             continue  # earlier thinking is not shown to the model again
         elif kind == "item_reference":
@@ -348,4 +354,24 @@ def read_input(raw: Any) -> tuple[list[dict[str, Any]], list[Any]]:
             raise bad(f"{at}.type {kind!r} is not served here (message, function_call, function_call_output, "
                       "reasoning)", at)
     flush_images()
-    return messages, origins
+    return messages, places
+
+
+#: The chat body's places the Responses API names otherwise.
+RENAMED = {("response_format",): "text.format", ("response_format", "json_schema"): "text.format",
+           ("max_tokens",): "max_output_tokens", ("max_completion_tokens",): "max_output_tokens",
+           ("reasoning_effort",): "reasoning.effort", ("tool_choice", "function"): "tool_choice",
+           ("messages",): "input", ("logprobs",): "include"}
+
+
+def origins(parsed: Parsed, instructions: int, earlier: int) -> Origins:
+    """Where each place of the chat body came from: the system message of ``instructions``,
+    the ``earlier`` messages of previous_response_id, then this request's input items; a
+    function tool's fields sit on the tool itself (tools[0].name)."""
+    names: dict[tuple[Any, ...], str] = dict(RENAMED)
+    names.update({("messages", k): "instructions" for k in range(instructions)})
+    names.update({("messages", instructions + k): "previous_response_id" for k in range(earlier)})
+    before = instructions + earlier
+    names.update({("messages", before + k, *rest): at for (k, *rest), at in parsed.places.items()})
+    names.update({("tools", i, "function"): f"tools[{i}]" for i in range(len(parsed.body.get("tools", [])))})
+    return Origins(names)
