@@ -388,7 +388,8 @@ class PluginHost:
         p.settings_validator = None
         p.priority = None
         p.loaded_fingerprint = None
-        forget_modules(p.name)
+        # its modules stay in sys.modules until it is imported again (import_plugin reads its
+        # files afresh then): a request still running its code may import one of them lazily
         if not keep_error:
             p.error = p.hook_error = None
 
