@@ -52,7 +52,7 @@ class Ctx:
     def offline_plugins(self) -> Any:
         from .plugins import PluginHost
         host = PluginHost(data_dir=self.data_dir, config=Config(self.data_dir), services=None)
-        host.discover()
+        host.files.discover()
         return host
 
 
@@ -99,11 +99,9 @@ class LocalmGroup(click.Group):
             return None
         host, p = entry
         try:
-            module = host._import(p)
-            host.pm.register(module, name=p.name)
+            host.load_offline(p)
             commands: list[Any] = []
-            host.call_sync("register_settings", p, register=lambda cls: host._declare(p, cls), host=None)
-            host.call_sync("register_commands", p, register=lambda *more: commands.extend(more), host=None)
+            host.hooks.call_sync("register_commands", p, register=lambda *more: commands.extend(more), host=None)
         except Exception as exc:
             return _unavailable(cmd_name, f"plugin {p.name} failed to load: {exc.__class__.__name__}: {exc}")
         for command in commands:
@@ -277,7 +275,7 @@ def plugin_install(obj: Ctx, name_or_dir: str, force: bool, fid: str | None) -> 
             elif obj.server:
                 obj.server.call("POST", f"/api/plugins/{name}/install")
             else:
-                obj.offline_plugins().install_files(name)
+                obj.offline_plugins().files.install_files(name)
         click.echo(f"Installed {name}.")
         _after_change(obj, name)
     run(body)
@@ -297,13 +295,13 @@ def _install_folder(obj: Ctx, source: str, *, force: bool, expect: str | None = 
     if obj.server:
         return str(obj.server.call("POST", "/api/plugins/install-external",
                                    json={"source": source, "force": force})["name"])
-    return obj.offline_plugins().install_external_files(source, force=force).id
+    return obj.offline_plugins().files.install_external_files(source, force=force).id
 
 
 def _index_entry(obj: Ctx, name: str) -> Any:
     """The catalog index's entry for ``name`` when no plugin folder the host knows has that name."""
     from . import catalog
-    from .plugins import store_roots
+    from .plugin_files import store_roots
 
     entries, _ = catalog.index(store_roots())
     entry = entries.get(name)
@@ -355,7 +353,7 @@ def _pip(display: Display, args: list[str], build_env: dict[str, str] | None = N
 def _complete_plugins(ctx: click.Context, incomplete: str) -> list[CompletionItem]:
     try:
         from . import catalog
-        from .plugins import store_roots
+        from .plugin_files import store_roots
         names = set(Ctx(ctx.find_root().params.get("data_dir")).offline_plugins().plugins)
         names |= set(catalog.index(store_roots())[0])
     except Exception:
@@ -365,7 +363,7 @@ def _complete_plugins(ctx: click.Context, incomplete: str) -> list[CompletionIte
 
 def _catalog_rows(obj: Ctx) -> list[dict[str, Any]]:
     from . import catalog
-    from .plugins import store_roots
+    from .plugin_files import store_roots
 
     listing = obj.server.call("GET", "/api/plugins")["plugins"] if obj.server else obj.offline_plugins().listing()
     entries, problems = catalog.index(store_roots())
@@ -461,8 +459,8 @@ def plugin_uninstall(obj: Ctx, name: str, delete_data: bool) -> None:
             obj.server.call("POST", f"/api/plugins/{name}/uninstall", params={"delete_data": delete_data})
         else:
             host = obj.offline_plugins()
-            host.check_uninstall(name)
-            host.remove_files(name, delete_data=delete_data)
+            host.files.check_uninstall(name)
+            host.files.remove_files(name, delete_data=delete_data)
         click.echo(f"Uninstalled {name}.")
     run(body)
 
@@ -473,7 +471,7 @@ def _toggle(obj: Ctx, name: str, enabled: bool) -> None:
             obj.server.call("POST", f"/api/plugins/{name}/{'enable' if enabled else 'disable'}")
         else:
             host = obj.offline_plugins()
-            p = host.get(name) if enabled else host.plugins.get(name)
+            p = host.files.get(name) if enabled else host.plugins.get(name)
             if p is not None and p.protected and not enabled:
                 raise LocalmError(409, f"{name} is protected and cannot be disabled")
             if enabled and not p.installed:

@@ -117,14 +117,14 @@ class Host:
         A LocalmError from a hook refuses the request; any other exception is recorded
         against its plugin (GET /api/plugins) and refuses the request with a 500 naming it.
         """
-        return await self._kernel.plugins.run_hook(name, **kwargs)
+        return await self._kernel.plugins.hooks.run_hook(name, **kwargs)
 
     def hooks(self, name: str) -> list[Any]:
         """The active implementations of a hook, in the order ``run_hook`` calls them: each
         has ``plugin`` (its id), ``context`` (its PluginContext) and is called as
         ``await impl(**kwargs)``, failing closed as ``run_hook`` does. For a caller that
         chains results from one implementation to the next (the chat service)."""
-        return self._kernel.plugins.hook_impls(name)
+        return self._kernel.plugins.hooks.hook_impls(name)
 
     def register_engine(self, plugin: str, name: str, factory: Any, *, formats: Any = (), fallback: Any = ()) -> None:
         owner = self._kernel.engines.get(name)

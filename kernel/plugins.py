@@ -1,124 +1,34 @@
-"""The plugin host: discovery, state, loading, activation and the catalog operations.
+"""The plugin host: each plugin's life (activate, deactivate, settings, its service).
 
-Plugins come from three places: the builtin ``plugins/`` folder shipped with localm,
-the installed set in ``<data dir>/plugins/``, and the ``plugin-store/`` catalog that
-``localm plugin install NAME`` copies from (plus any folders in ``LOCALM_PLUGIN_STORE``).
-
-A plugin's code is imported under ``localm_plugins.<id>`` from its folder, so plugins
-never collide with each other or with installed packages, and relative imports work
-inside a plugin. A plugin that fails to import, or raises in a hook, is reported with
-its error and everything else keeps serving.
+Three parts, one job each: :class:`~.plugin_files.PluginFiles` is the catalog of plugin
+folders on disk (discovery, install, uninstall); :class:`~.hookbus.HookBus` orders and
+calls the hooks of the active plugins and attributes their failures; :class:`PluginHost`,
+here, decides which plugins run and takes each through its start (import, register the
+hooks, settings, scopes, engines, model kinds, installers, its service, ``startup``) and
+its stop. A plugin that fails to import, or raises in a hook, is reported with its error
+and everything else keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-import difflib
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import logging
-import os
-import shutil
-import sys
+import tempfile
 import traceback
-import types
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
-import attrs
-import pluggy
-
-from . import deps, hookspecs
+from . import deps
 from .config import Config
 from .errors import LocalmError
-from .manifest import Manifest, ManifestError, legal_id, parse_manifest
+from .hookbus import HookBus
+from .manifest import Manifest, legal_id, parse_manifest
 from .models import ModelFormat, ModelKinds, ModelSource
+from .plugin_files import Plugin, PluginFiles, error_text, fingerprint, forget_modules, import_plugin
 from .settings import FieldSpec, fields_of
 
 log = logging.getLogger("localm.plugins")
-
-PACKAGE_ROOT = "localm_plugins"
-
-
-def _package_dir(module: str) -> Path | None:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        if os.path.isdir(loc):
-            return Path(loc)
-    return None
-
-
-def builtin_root() -> Path | None:
-    return _package_dir("localm.plugins")
-
-
-def store_roots(environ: Mapping[str, str] = os.environ) -> list[Path]:
-    """The plugin catalogs: the bundled store, then each folder of LOCALM_PLUGIN_STORE."""
-    roots = [p for p in [_package_dir("localm.plugin_store")] if p is not None]
-    for extra in environ.get("LOCALM_PLUGIN_STORE", "").split(os.pathsep):
-        if extra.strip():
-            roots.append(Path(extra).expanduser())
-    return roots
-
-
-def fingerprint(folder: Path) -> str:
-    """A digest of a plugin folder's files (names, sizes, contents), ignoring caches."""
-    h = hashlib.sha256()
-    for path in sorted(folder.rglob("*")):
-        if "__pycache__" in path.parts or not path.is_file():
-            continue
-        h.update(str(path.relative_to(folder)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def _error_text(exc: BaseException) -> str:
-    text = f"{exc.__class__.__name__}: {exc}".strip()
-    return text.rstrip(":")
-
-
-@attrs.define(eq=False)
-class Plugin:
-    """One plugin the host knows about, wherever it lives, and its run state."""
-
-    name: str
-    folder: Path
-    manifest: Manifest | None
-    builtin: bool = False
-    installed: bool = False
-    store_folder: Path | None = None
-    manifest_error: str | None = None
-    module: Any = None
-    loaded: bool = False
-    active: bool = False
-    error: str | None = None
-    missing_deps: list[str] = attrs.Factory(list)
-    missing_requires: list[str] = attrs.Factory(list)
-    declared_fields: dict[str, FieldSpec] = attrs.Factory(dict)
-    added_fields: dict[str, FieldSpec] = attrs.Factory(dict)
-    scope_descriptions: dict[str, str] = attrs.Factory(dict)
-    loaded_fingerprint: str | None = None
-    excluded: bool = False
-    #: the last failure of one of its per-request hooks (chat_inlet, ...) while it stayed active
-    hook_error: str | None = None
-    #: set at run time (PluginContext.set_priority): replaces the manifest's priority
-    priority: int | None = None
-    #: checks a whole block of setting values (PluginContext.add_settings(..., validate=))
-    settings_validator: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    #: what its create_service hook made, while it is active (PluginContext.service)
-    service: Any = None
-
-    @property
-    def protected(self) -> bool:
-        return bool(self.manifest and self.manifest.protected)
-
-    @property
-    def fields(self) -> dict[str, FieldSpec]:
-        return {**self.declared_fields, **self.added_fields}
 
 
 class PluginContext:
@@ -188,149 +98,38 @@ class PluginContext:
         return self._host.services.jobs.start(fn, kind=kind, title=title, owner=owner, plugin=self.name)
 
 
-class HookImpl:
-    """One active plugin's implementation of a hook, ready to call: ``await impl(**kwargs)``
-    passes the arguments it asks for (``plugin`` and ``host`` included), awaits a coroutine,
-    and turns any exception but a ``LocalmError`` into the plugin's recorded failure."""
-
-    __slots__ = ("_host", "plugin", "context", "priority", "hook", "function", "argnames")
-
-    def __init__(self, host: "PluginHost", p: Plugin, hook: str, function: Callable[..., Any],
-                 argnames: tuple[str, ...]) -> None:
-        self._host = host
-        self.plugin = p.name
-        self.context = host.context(p)
-        if p.priority is not None:  # set at run time: every hook of the plugin
-            self.priority = p.priority
-        else:
-            self.priority = p.manifest.hook_priority.get(hook, p.manifest.priority) if p.manifest else 0
-        self.hook = hook
-        self.function = function
-        self.argnames = argnames
-
-    async def __call__(self, **kwargs: Any) -> Any:
-        kwargs.setdefault("plugin", self.context)
-        kwargs.setdefault("host", self._host.services)
-        try:
-            value = self.function(**{arg: kwargs.get(arg) for arg in self.argnames})
-            if inspect.isawaitable(value):
-                value = await value
-        except LocalmError:
-            raise
-        except Exception as exc:
-            raise self.failed(exc) from None
-        return value
-
-    def failed(self, exc: BaseException) -> LocalmError:
-        """Record ``exc`` as this plugin's failure (for a hook that returned what it may not)
-        and return the 500 refusal that names the plugin."""
-        return self._host.hook_failed(self.plugin, self.hook, exc)
-
-    def __repr__(self) -> str:
-        return f"<{self.hook} of {self.plugin}>"
-
 
 class PluginHost:
+    """Which plugins run, and each one's start and stop. ``files`` is the catalog of plugin
+    folders, ``hooks`` the hook bus; ``services`` is the host object hooks get as ``host``
+    (None in the CLI, where no plugin runs)."""
+
     def __init__(self, *, data_dir: Path, config: Config, services: Any,
                  builtin_dirs: list[Path] | None = None, store_dirs: list[Path] | None = None,
                  only: Iterable[str] | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.config = config
         self.services = services
-        root = builtin_root()
-        self.builtin_dirs = builtin_dirs if builtin_dirs is not None else ([root] if root else [])
-        self.store_dirs = store_dirs if store_dirs is not None else store_roots()
+        self.files = PluginFiles(data_dir=self.data_dir, config=config, builtin_dirs=builtin_dirs,
+                                 store_dirs=store_dirs)
+        self.hooks = HookBus(lambda: self.files.plugins, self.context, services)
         self.only = set(only) if only is not None else None
-        self.pm = pluggy.PluginManager("localm")
-        self.pm.add_hookspecs(hookspecs)
-        self.plugins: dict[str, Plugin] = {}
-        self.folder_errors: dict[str, str] = {}
-        self.order: list[str] = []
         self._lock = asyncio.Lock()
         self._contexts: dict[str, PluginContext] = {}
-        self._impl_cache: dict[str, tuple[int, list[HookImpl]]] = {}
-        self._impl_version = 0  # bumped whenever the set of active plugins changes
         #: installers active plugins registered (register_installers), by plugin
         self._installers: dict[str, list[tuple[str, Callable[..., Any]]]] = {}
         self._offline_installers: list[tuple[str, str, Callable[..., Any]]] | None = None
         self.on_change: Callable[[], None] = lambda: None
 
-    # --- paths -----------------------------------------------------------------
     @property
-    def installed_dir(self) -> Path:
-        return self.data_dir / "plugins"
+    def plugins(self) -> dict[str, Plugin]:
+        """Every plugin known, by id (the catalog's records, with their run state)."""
+        return self.files.plugins
 
     def plugin_data_dir(self, name: str) -> Path:
-        return self.data_dir / "plugin-data" / name
+        return self.files.plugin_data_dir(name)
 
-    # --- discovery ---------------------------------------------------------------
-    def _scan(self, root: Path) -> Iterable[tuple[str, Path, Manifest | None, str | None]]:
-        if not root.is_dir():
-            return
-        for folder in sorted(root.iterdir()):
-            if not folder.is_dir() or folder.name.startswith((".", "_")):
-                continue
-            if not (folder / "plugin.toml").is_file():
-                continue
-            try:
-                manifest = parse_manifest(folder / "plugin.toml")
-            except ManifestError as exc:
-                yield folder.name, folder, None, str(exc)
-                continue
-            if manifest.id != folder.name:
-                yield folder.name, folder, None, (f"{folder / 'plugin.toml'}: field 'id': {manifest.id!r} does not "
-                                                  f"match its folder name {folder.name!r}")
-                continue
-            yield manifest.id, folder, manifest, None
-
-    def discover(self) -> None:
-        """Re-read every plugin folder; keeps the run state of plugins already known."""
-        found: dict[str, Plugin] = {}
-        self.folder_errors = {}
-
-        def take(name: str, folder: Path, manifest: Manifest | None, error: str | None, **flags: Any) -> Plugin | None:
-            if not legal_id(name):
-                self.folder_errors[name] = error or f"{folder}: folder name is not a legal plugin id"
-                return None
-            old = self.plugins.get(name)
-            if old is not None and old.folder == folder and old.loaded:
-                plugin = old
-                plugin.manifest = manifest or old.manifest
-                plugin.manifest_error = error
-            else:
-                plugin = Plugin(name=name, folder=folder, manifest=manifest, manifest_error=error)
-            plugin.builtin = flags.get("builtin", False)
-            plugin.installed = flags.get("installed", False)
-            plugin.store_folder = None
-            found[name] = plugin
-            return plugin
-
-        for root in self.builtin_dirs:
-            for name, folder, manifest, error in self._scan(root):
-                if name not in found:
-                    take(name, folder, manifest, error, builtin=True, installed=True)
-        for name, folder, manifest, error in self._scan(self.installed_dir):
-            if name in found:
-                self.folder_errors[name] = f"{folder}: shadowed by the builtin plugin of the same name"
-                continue
-            take(name, folder, manifest, error, installed=True)
-        for root in self.store_dirs:
-            for name, folder, manifest, error in self._scan(root):
-                if name in found:
-                    if found[name].store_folder is None and error is None:
-                        found[name].store_folder = folder
-                    continue
-                plugin = take(name, folder, manifest, error)
-                if plugin is not None and error is None:
-                    plugin.store_folder = folder
-        # plugins that vanished from disk while loaded stay known until deactivated
-        for name, old in self.plugins.items():
-            if name not in found and old.loaded:
-                old.installed = False
-                found[name] = old
-        self.plugins = found
-
-    # --- state -------------------------------------------------------------------
+    # --- which plugins run -------------------------------------------------------
     def enabled(self, plugin: Plugin) -> bool:
         if plugin.protected:
             return True
@@ -406,121 +205,29 @@ class PluginHost:
         return [r for r in p.manifest.requires if not (r in self.plugins and self.plugins[r].active)]
 
     # --- loading -----------------------------------------------------------------
-    def _import(self, p: Plugin) -> Any:
-        assert p.manifest is not None
-        if PACKAGE_ROOT not in sys.modules:
-            root = types.ModuleType(PACKAGE_ROOT)
-            root.__path__ = []  # type: ignore[attr-defined]
-            sys.modules[PACKAGE_ROOT] = root
-        pkg_name = f"{PACKAGE_ROOT}.{p.name}"
-        self._forget_modules(p.name)
-        importlib.invalidate_caches()
-        init = p.folder / "__init__.py"
-        if init.is_file():
-            spec = importlib.util.spec_from_file_location(pkg_name, init, submodule_search_locations=[str(p.folder)])
-            assert spec is not None and spec.loader is not None
-            pkg = importlib.util.module_from_spec(spec)
-            sys.modules[pkg_name] = pkg
-            spec.loader.exec_module(pkg)
-        else:
-            pkg = types.ModuleType(pkg_name)
-            pkg.__path__ = [str(p.folder)]  # type: ignore[attr-defined]
-            pkg.__package__ = pkg_name
-            sys.modules[pkg_name] = pkg
-        return importlib.import_module(f"{pkg_name}.{p.manifest.entry}")
-
-    @staticmethod
-    def _forget_modules(name: str) -> None:
-        prefix = f"{PACKAGE_ROOT}.{name}"
-        for mod in [m for m in sys.modules if m == prefix or m.startswith(prefix + ".")]:
-            del sys.modules[mod]
-
     def context(self, p: Plugin) -> PluginContext:
         ctx = self._contexts.get(p.name)
         if ctx is None or ctx._plugin is not p:
             ctx = self._contexts[p.name] = PluginContext(self, p)
         return ctx
 
-    def impls(self, hook: str, p: Plugin) -> list[Any]:
-        caller = getattr(self.pm.hook, hook)
-        return [impl for impl in caller.get_hookimpls() if impl.plugin_name == p.name]
-
-    async def call(self, hook: str, p: Plugin, **kwargs: Any) -> list[Any]:
-        """Call one plugin's implementation of a hook; await it when it is a coroutine."""
-        kwargs.setdefault("plugin", self.context(p))
-        kwargs.setdefault("host", self.services)
-        results = []
-        for impl in self.impls(hook, p):
-            value = impl.function(**{arg: kwargs[arg] for arg in impl.argnames if arg in kwargs})
-            if inspect.isawaitable(value):
-                value = await value
-            results.append(value)
-        return results
-
-    def hook_impls(self, hook: str) -> list["HookImpl"]:
-        """Active plugins' implementations of ``hook``, in their stable order: the manifest's
-        ``priority`` (lower first), then the plugin id."""
-        cached = self._impl_cache.get(hook)
-        if cached is not None and cached[0] == self._impl_version:
-            return cached[1]
-        out = []
-        for impl in getattr(self.pm.hook, hook).get_hookimpls():
-            p = self.plugins.get(impl.plugin_name)
-            if p is None or not p.active:
-                continue
-            out.append(HookImpl(self, p, hook, impl.function, tuple(impl.argnames)))
-        out.sort(key=lambda i: (i.priority, i.plugin))
-        self._impl_cache[hook] = (self._impl_version, out)
-        return out
-
-    def hook_failed(self, name: str, hook: str, exc: BaseException) -> LocalmError:
-        """Record a hook's failure against its plugin (GET /api/plugins shows it) and return
-        the refusal to answer: a 500 that names the plugin and nothing of its internals."""
-        log.error("plugin %s: %s hook failed", name, hook, exc_info=exc)
-        p = self.plugins.get(name)
-        if p is not None:
-            p.hook_error = f"{hook} hook failed: {_error_text(exc)}"
-        return LocalmError(500, f"The {name} plugin failed in its {hook} hook; the request was refused (the "
-                                f"server log has the error, and GET /api/plugins shows it)",
-                           code="plugin_failed", plugin=name)
-
-    async def run_hook(self, hook: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call every active implementation of ``hook`` in order; (plugin, result) pairs.
-
-        A ``LocalmError`` from a hook refuses the request; any other exception is recorded
-        against its plugin and refuses it too (a 500 naming the plugin): a hook never fails open.
-        """
-        return [(impl.plugin, await impl(**kwargs)) for impl in self.hook_impls(hook)]
-
-    def has_impls(self, hook: str) -> bool:
-        return bool(getattr(self.pm.hook, hook).get_hookimpls())
-
-    def call_sync(self, hook: str, p: Plugin, **kwargs: Any) -> list[Any]:
-        kwargs.setdefault("plugin", self.context(p))
-        kwargs.setdefault("host", self.services)
-        return [impl.function(**{arg: kwargs[arg] for arg in impl.argnames if arg in kwargs})
-                for impl in self.impls(hook, p)]
-
     async def _activate(self, p: Plugin) -> None:
         p.error = p.hook_error = None
         try:
             # off the event loop: a plugin whose import is slow (a heavy library, or a sleep)
             # holds up its own start, never the requests being served meanwhile
-            module = await asyncio.to_thread(self._import, p)
+            module = await asyncio.to_thread(import_plugin, p)
         except (Exception, SystemExit) as exc:  # a broken plugin never takes the server down
-            self._forget_modules(p.name)
-            p.error = _error_text(exc)
+            forget_modules(p.name)
+            p.error = error_text(exc)
             log.error("plugin %s failed to import:\n%s", p.name, traceback.format_exc())
             return
         p.module = module
         try:
-            self.pm.register(module, name=p.name)
-            self._check_hook_names(p)
+            self.hooks.register(p, module)
         except Exception as exc:
-            if self.pm.has_plugin(p.name):
-                self.pm.unregister(name=p.name)
-            self._forget_modules(p.name)
-            p.error = _error_text(exc)
+            forget_modules(p.name)
+            p.error = error_text(exc)
             log.error("plugin %s failed to register: %s", p.name, p.error)
             return
         p.loaded = True
@@ -528,32 +235,32 @@ class PluginHost:
         try:
             p.declared_fields = {}
             p.scope_descriptions = {}
-            await self.call("register_settings", p, register=lambda cls: self._declare(p, cls))
-            await self.call("register_scopes", p,
+            await self.hooks.call("register_settings", p, register=lambda cls: self._declare(p, cls))
+            await self.hooks.call("register_scopes", p,
                             register=lambda name, description="": p.scope_descriptions.__setitem__(name, description))
-            await self.call("register_engines", p, register=lambda name, factory, formats=(), fallback=():
+            await self.hooks.call("register_engines", p, register=lambda name, factory, formats=(), fallback=():
                             self.services.register_engine(p.name, name, factory, formats=formats, fallback=fallback))
-            await self.call("register_installers", p,
+            await self.hooks.call("register_installers", p,
                             register=lambda name, read: self._add_installer(p, name, read))
             add_format, add_source = self.model_kinds_registrars(p, self.services.models.kinds)
-            await self.call("register_model_formats", p, register=add_format)
-            await self.call("register_model_providers", p, register=add_source)
+            await self.hooks.call("register_model_formats", p, register=add_format)
+            await self.hooks.call("register_model_providers", p, register=add_source)
             await self._start_service(p)
-            await self.call("startup", p)
+            await self.hooks.call("startup", p)
         except Exception as exc:
-            p.error = _error_text(exc)
+            p.error = error_text(exc)
             log.error("plugin %s failed to start:\n%s", p.name, traceback.format_exc())
             await self._deactivate(p, keep_error=True)
             return
         p.active = True
-        self._impl_version += 1
+        self.hooks.changed()
         self._check_commands(p)
         log.info("plugin %s %s active", p.name, p.manifest.version if p.manifest else "")
 
     async def _start_service(self, p: Plugin) -> None:
         """Make the plugin's service (``create_service``), start it and offer it to other
         plugins under the plugin's id."""
-        made = [m for m in await self.call("create_service", p) if m is not None]
+        made = [m for m in await self.hooks.call("create_service", p) if m is not None]
         if not made:
             return
         service = made[0]
@@ -610,6 +317,17 @@ class PluginHost:
             kinds.add_source(p.name, src)
         return add_format, add_source
 
+    def load_offline(self, p: Plugin) -> Any:
+        """For a process whose plugins are not running (the CLI): import ``p``, register its
+        hooks and declare its settings, without starting it, so one of its registration hooks
+        (commands, model kinds, installers) can be called with ``hooks.call_sync``. Its module."""
+        if p.module is None:
+            p.module = import_plugin(p)
+        if not self.hooks.has_plugin(p.name):
+            self.hooks.register(p, p.module)
+            self.hooks.call_sync("register_settings", p, register=lambda cls: self._declare(p, cls), host=None)
+        return p.module
+
     def load_model_kinds(self, kinds: ModelKinds) -> None:
         """For a process whose plugins are not running (the CLI, or a server registering its
         startup model before its plugins start): import each enabled plugin whose plugin.toml
@@ -620,26 +338,24 @@ class PluginHost:
             if m is None or not p.installed or not self.enabled(p) or not (m.model_formats or m.model_sources):
                 continue
             try:
-                module = self._import(p)
-                if not self.pm.has_plugin(p.name):
-                    self.pm.register(module, name=p.name)
+                self.load_offline(p)
                 add_format, add_source = self.model_kinds_registrars(p, kinds)
-                self.call_sync("register_model_formats", p, register=add_format, host=None)
-                self.call_sync("register_model_providers", p, register=add_source, host=None)
+                self.hooks.call_sync("register_model_formats", p, register=add_format, host=None)
+                self.hooks.call_sync("register_model_providers", p, register=add_source, host=None)
             except Exception as exc:
                 log.warning("plugin %s: its model formats and sources are not available: %s", p.name,
-                            _error_text(exc))
+                            error_text(exc))
 
     def _check_commands(self, p: Plugin) -> None:
         """Say so when ``register_commands`` registers a command that plugin.toml's
         ``commands`` does not list: the CLI finds a plugin's commands by that list without
         importing the plugin, so ``localm NAME`` would only answer "No such command". The
         plugin stays active; its error says which names to add."""
-        if p.manifest is None or not self.impls("register_commands", p):
+        if p.manifest is None or not self.hooks.impls("register_commands", p):
             return
         names: list[str] = []
         try:
-            self.call_sync("register_commands", p, host=None,
+            self.hooks.call_sync("register_commands", p, host=None,
                            register=lambda *commands: names.extend(getattr(c, "name", "") or "" for c in commands))
         except Exception:  # noqa: BLE001 - the CLI reports a command that cannot register when it runs
             return
@@ -649,25 +365,6 @@ class PluginHost:
                             f"not list: `localm {unlisted[0]}` cannot find it until it is listed there")
             log.warning("plugin %s: %s", p.name, p.hook_error)
 
-    def _check_hook_names(self, p: Plugin) -> None:
-        """Refuse a plugin that marks with ``@sdk.hookimpl`` a function no hook is called by
-        (``chat_inlett``): pluggy would keep it and never call it, so the plugin would run
-        without the behaviour its author wrote. ``@sdk.hookimpl(optionalhook=True)`` marks
-        one on purpose (a hook of another version of localm)."""
-        known = sorted(name for name, caller in vars(self.pm.hook).items()
-                       if isinstance(caller, pluggy.HookCaller) and caller.spec is not None)
-        unknown = sorted(caller.name for caller in self.pm.get_hookcallers(self.pm.get_plugin(p.name)) or []
-                         if caller.spec is None and any(impl.plugin_name == p.name and not impl.optionalhook
-                                                        for impl in caller.get_hookimpls()))
-        if not unknown:
-            return
-        parts = []
-        for name in unknown:
-            near = difflib.get_close_matches(name, known, n=1)
-            parts.append(f"{name} (did you mean {near[0]}?)" if near else name)
-        raise LocalmError(500, f"{', '.join(parts)} {'is no hook' if len(parts) == 1 else 'are no hooks'} of "
-                               "localm: see docs/plugins.md for the hooks and their names")
-
     def _declare(self, p: Plugin, cls: type) -> None:
         for spec in fields_of(cls):
             p.declared_fields[spec.key] = spec
@@ -675,14 +372,14 @@ class PluginHost:
     async def _deactivate(self, p: Plugin, *, keep_error: bool = False) -> None:
         if p.active:
             try:
-                await self.call("shutdown", p)
+                await self.hooks.call("shutdown", p)
             except Exception:
                 log.error("plugin %s failed to shut down cleanly:\n%s", p.name, traceback.format_exc())
         await self._stop_service(p)  # also when its start failed after the service started
         p.active = False
-        self._impl_version += 1
-        if p.loaded and self.pm.has_plugin(p.name):
-            self.pm.unregister(name=p.name)
+        self.hooks.changed()
+        if p.loaded:
+            self.hooks.unregister(p.name)
         self.services.forget_provider(p.name)
         self._installers.pop(p.name, None)
         p.loaded = False
@@ -691,7 +388,8 @@ class PluginHost:
         p.settings_validator = None
         p.priority = None
         p.loaded_fingerprint = None
-        self._forget_modules(p.name)
+        # its modules stay in sys.modules until it is imported again (import_plugin reads its
+        # files afresh then): a request still running its code may import one of them lazily
         if not keep_error:
             p.error = p.hook_error = None
 
@@ -725,7 +423,7 @@ class PluginHost:
             raise TypeError("a priority is an integer (or None)")
         if p.priority != priority:
             p.priority = priority
-            self._impl_version += 1  # the hooks' order is read again
+            self.hooks.changed()  # the hooks' order is read again
 
     def check_settings(self, name: str, updates: dict[str, Any], *, caller: Any = None) -> dict[str, Any]:
         """The changes to store for ``updates`` to a plugin's settings (None or "" resets a
@@ -783,7 +481,7 @@ class PluginHost:
     # --- reporting -----------------------------------------------------------------
     @property
     def errors(self) -> dict[str, str]:
-        out = dict(self.folder_errors)
+        out = dict(self.files.folder_errors)
         for p in self.plugins.values():
             if p.manifest_error:
                 out[p.name] = p.manifest_error
@@ -841,102 +539,6 @@ class PluginHost:
         return out
 
     # --- catalog operations (work with or without a running server) ----------------
-    def get(self, name: str) -> Plugin:
-        if not legal_id(name) or name not in self.plugins:
-            raise LocalmError(404, f"Unknown plugin: {name}")
-        return self.plugins[name]
-
-    def install_files(self, name: str) -> Plugin:
-        """Copy a catalog plugin into the installed set and enable it."""
-        p = self.get(name)
-        if p.installed:
-            self.config.set_plugin_enabled(name, True)
-            return p
-        if p.store_folder is None or p.manifest is None:
-            raise LocalmError(400, f"Plugin {name} cannot be installed: {p.manifest_error or 'not in the catalog'}")
-        self._copy_in(p.store_folder, name)
-        self.config.set_plugin_enabled(name, True)
-        self.discover()
-        return self.plugins[name]
-
-    def _copy_in(self, source: Path, name: str) -> None:
-        self.installed_dir.mkdir(parents=True, exist_ok=True)
-        target = self.installed_dir / name
-        staging = self.installed_dir / f".{name}.installing"
-        old = self.installed_dir / f".{name}.replaced"
-        for leftover in (staging, old):
-            shutil.rmtree(leftover, ignore_errors=True)
-        try:
-            shutil.copytree(source, staging, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git"))
-            if target.exists():
-                os.replace(target, old)
-            os.replace(staging, target)
-        except OSError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            if old.exists() and not target.exists():
-                os.replace(old, target)
-            raise LocalmError(400, f"Could not install {name}: {exc.strerror or exc}") from exc
-        shutil.rmtree(old, ignore_errors=True)
-
-    def check_uninstall(self, name: str) -> Plugin:
-        p = self.get(name)
-        if p.protected:
-            raise LocalmError(409, f"{name} is protected and cannot be uninstalled")
-        if p.builtin:
-            raise LocalmError(400, f"{name} ships with localm and cannot be uninstalled; disable it instead")
-        if not p.installed:
-            raise LocalmError(400, f"{name} is not installed")
-        return p
-
-    def remove_files(self, name: str, *, delete_data: bool) -> None:
-        """Remove an installed plugin's folder (it must already be inactive)."""
-        target = self.installed_dir / name
-        trash = self.installed_dir / f".{name}.removing"
-        shutil.rmtree(trash, ignore_errors=True)
-        try:
-            if target.exists():
-                os.replace(target, trash)
-        except OSError as exc:
-            raise LocalmError(400, f"Could not uninstall {name}: {exc.strerror or exc}") from exc
-        self.config.forget_plugin(name, settings=delete_data)
-        leftovers = []
-        shutil.rmtree(trash, ignore_errors=True)
-        if trash.exists():
-            leftovers.append(str(trash))
-        if delete_data:
-            shutil.rmtree(self.plugin_data_dir(name), ignore_errors=True)
-            if self.plugin_data_dir(name).exists():
-                leftovers.append(str(self.plugin_data_dir(name)))
-        self.discover()
-        if leftovers:
-            raise LocalmError(500, f"{name} was disabled and unloaded, but some of its files could not be removed")
-
-    def check_external(self, source: str, *, force: bool) -> Manifest:
-        if not source:
-            raise LocalmError(400, "source is required: a local folder holding a plugin.toml")
-        folder = Path(source).expanduser()
-        if not folder.is_dir():
-            raise LocalmError(400, f"source is not a folder: {folder.name or source}")
-        if not (folder / "plugin.toml").is_file():
-            raise LocalmError(400, f"source has no plugin.toml: {folder.name}")
-        try:
-            manifest = parse_manifest(folder / "plugin.toml")
-        except ManifestError as exc:
-            raise LocalmError(400, f"Plugin rejected: {exc}") from exc
-        existing = self.plugins.get(manifest.id)
-        if existing is not None and existing.builtin:
-            raise LocalmError(400, f"Plugin rejected: {manifest.id} is the name of a builtin plugin")
-        if existing is not None and existing.installed and not force:
-            raise LocalmError(400, f"Plugin {manifest.id} is already installed; pass force to replace it")
-        return manifest
-
-    def install_external_files(self, source: str, *, force: bool) -> Manifest:
-        manifest = self.check_external(source, force=force)
-        self._copy_in(Path(source).expanduser(), manifest.id)
-        self.config.set_plugin_enabled(manifest.id, True)
-        self.discover()
-        return manifest
-
     def installers(self) -> list[tuple[str, str, Callable[..., Any]]]:
         """(plugin, name, read) of every installer: active plugins' in a server; in the CLI,
         those of the enabled plugins whose plugin.toml lists one (imported for it)."""
@@ -947,13 +549,11 @@ class PluginHost:
                 if m is None or not m.installers or not p.installed or not self.enabled(p):
                     continue
                 try:
-                    module = self._import(p)
-                    if not self.pm.has_plugin(p.name):
-                        self.pm.register(module, name=p.name)
-                    self.call_sync("register_installers", p, host=None,
+                    self.load_offline(p)
+                    self.hooks.call_sync("register_installers", p, host=None,
                                    register=lambda name, read, p=p: self._offline_installers.append((p.name, name, read)))
                 except Exception as exc:
-                    log.warning("plugin %s: its installers are not available: %s", p.name, _error_text(exc))
+                    log.warning("plugin %s: its installers are not available: %s", p.name, error_text(exc))
         if self.services is None:
             return list(self._offline_installers or [])
         return [(name, *item) for name, items in self._installers.items() for item in items]
@@ -985,39 +585,37 @@ class PluginHost:
                 raise LocalmError(400, f"Plugin rejected: {item.id} is the name of a builtin plugin; pass another id")
             if existing is not None and existing.installed and not force:
                 raise LocalmError(400, f"Plugin {item.id} is already installed; pass force to replace it")
-        import tempfile
-
-        self.installed_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.installed_dir, prefix=".generated-") as tmp:
+        self.files.installed_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.files.installed_dir, prefix=".generated-") as tmp:
             for item in found:
                 item.write(Path(tmp) / item.id)
                 parse_manifest(Path(tmp) / item.id / "plugin.toml")  # what was written must read back
             for item in found:
-                self._copy_in(Path(tmp) / item.id, item.id)
+                self.files.copy_in(Path(tmp) / item.id, item.id)
                 if item.settings:
                     self.config.set_plugin_values(item.id, dict(item.settings))
                 self.config.set_plugin_enabled(item.id, True)
-        self.discover()
+        self.files.discover()
         return [item.id for item in found]
 
     # --- catalog operations on a running server ------------------------------------------
     async def install(self, name: str) -> None:
-        self.install_files(name)
+        self.files.install_files(name)
         await self.sync()
 
     async def uninstall(self, name: str, *, delete_data: bool) -> None:
-        p = self.check_uninstall(name)
+        p = self.files.check_uninstall(name)
         async with self._lock:
             for dep in reversed(self._ordered()):
                 if dep.loaded and (dep is p or name in (dep.manifest.requires if dep.manifest else ())):
                     await self._deactivate(dep)
-            self.remove_files(name, delete_data=delete_data)
+            self.files.remove_files(name, delete_data=delete_data)
             await self._sync()
         self.on_change()
 
     async def set_enabled(self, name: str, enabled: bool) -> dict[str, Any]:
         if enabled:
-            p = self.get(name)
+            p = self.files.get(name)
             if not p.installed:
                 raise LocalmError(409, f"{name} is not installed; install it first")
         else:
@@ -1044,7 +642,7 @@ class PluginHost:
         if name is None:
             refreshed, failed = [], {}
             async with self._lock:
-                self.discover()
+                self.files.discover()
                 for p in reversed(self._ordered()):
                     if p.loaded and p.loaded_fingerprint != fingerprint(p.folder):
                         await self._deactivate(p)
@@ -1055,7 +653,7 @@ class PluginHost:
                         failed[n] = self.plugins[n].error
             self.on_change()
             return {"status": "partial" if failed else "ok", "refreshed": sorted(refreshed), "failed": failed}
-        p = self.get(name)
+        p = self.files.get(name)
         if not p.installed:
             raise LocalmError(404, f"{name} is not installed")
         if not p.builtin and p.store_folder is None:
@@ -1065,9 +663,9 @@ class PluginHost:
             if not p.builtin and p.store_folder is not None and fingerprint(p.store_folder) != fingerprint(p.folder):
                 if p.loaded:
                     await self._deactivate(p)
-                self._copy_in(p.store_folder, name)
+                self.files.copy_in(p.store_folder, name)
                 updated = True
-            self.discover()
+            self.files.discover()
             p = self.plugins[name]
             if p.loaded and p.loaded_fingerprint != fingerprint(p.folder):
                 await self._deactivate(p)

@@ -102,7 +102,7 @@ class Kernel:
                 await asyncio.to_thread(self._pull_startup_model)
         except LocalmError as exc:  # an unreadable registry is reported by the routes that need it
             log.error("could not register the startup model: %s", exc.detail)
-        self.plugins.discover()
+        self.plugins.files.discover()
         await self.plugins.sync()
         self.rebuild()
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
@@ -128,7 +128,7 @@ class Kernel:
         with the formats and sources of the enabled plugins (imported apart: none runs yet)."""
         assert self.startup_model is not None
         offline = PluginHost(data_dir=self.data_dir, config=self.config, services=None)
-        offline.discover()
+        offline.files.discover()
         registry = Registry(self.data_dir, ModelKinds(load=offline.load_model_kinds))
         entries = pull(registry, self.startup_model, log=log.info, pip=pip_install_sync)
         self.startup_model = entries[0].id
@@ -144,7 +144,7 @@ class Kernel:
             p = self.plugins.plugins[name]
             handlers: list[Any] = []
             try:
-                self.plugins.call_sync("register_routes", p, register=lambda *hs: handlers.extend(hs))
+                self.plugins.hooks.call_sync("register_routes", p, register=lambda *hs: handlers.extend(hs))
                 pairs = [pair for h in handlers for pair in route_pairs(h)]
                 _check_scopes(handlers, set(KERNEL_SCOPES) | set(self.plugins.known_scopes()), name)
                 clash = next((pair for pair in pairs if pair in taken), None)

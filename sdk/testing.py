@@ -181,7 +181,7 @@ class LocalmServer:
 
 def _store_roots(env: dict[str, str]) -> list[Path]:
     """The plugin catalogs a ``localm serve`` started with ``env`` would read."""
-    from localm.kernel.plugins import store_roots
+    from localm.kernel.plugin_files import store_roots
 
     return store_roots({**os.environ, **env})
 
@@ -327,7 +327,7 @@ def plugin_module(plugin: str, module: str = "") -> Any:
     import importlib.util
     import types
 
-    from localm.kernel.plugins import PACKAGE_ROOT, builtin_root
+    from localm.kernel.plugin_files import PACKAGE_ROOT, builtin_root
 
     root = builtin_root()
     folder = root / plugin if root is not None else None

@@ -275,16 +275,16 @@ def test_builtin_plugins_are_installed_and_cannot_be_uninstalled(tmp_path: Path)
     shutil.copytree(TEST_STORE / "jobber", data_dir / "plugins" / "jobber")  # shadowed by the builtin one
     host = PluginHost(data_dir=data_dir, config=Config(data_dir), services=None,
                       builtin_dirs=[builtin], store_dirs=[TEST_STORE])
-    host.discover()
+    host.files.discover()
     listing = {p["name"]: p for p in host.listing()}
     assert listing["jobber"]["builtin"] and listing["jobber"]["installed"] and listing["jobber"]["enabled"]
     assert listing["valves"]["available"] and not listing["valves"]["installed"]
     assert "shadowed by the builtin plugin" in host.errors["jobber"]
     with pytest.raises(LocalmError) as err:
-        host.check_uninstall("jobber")
+        host.files.check_uninstall("jobber")
     assert err.value.status == 400
     with pytest.raises(LocalmError) as err:
-        host.check_uninstall("guard")
+        host.files.check_uninstall("guard")
     assert err.value.status == 409
 
 

@@ -115,7 +115,7 @@ async def install_external(request: Request) -> dict[str, Any]:
                 "what": {item.id: getattr(item, "what", "") for item in found}}
     if fid is not None:
         raise LocalmError(400, "id applies to an Open WebUI Function; a plugin folder names itself")
-    manifest = k.plugins.install_external_files(source, force=force)
+    manifest = k.plugins.files.install_external_files(source, force=force)
     await k.plugins.sync()
     return {"status": "installed", "name": manifest.id, "version": manifest.version}
 
@@ -143,7 +143,7 @@ def _refuse_remote(k: Any) -> None:
 
 
 def start_deps_install(k: Any, name: str, owner: str) -> Any:
-    p = k.plugins.get(name)
+    p = k.plugins.files.get(name)
     existing = k.deps_jobs.get(name)
     if existing is not None and not existing.done:
         return existing
