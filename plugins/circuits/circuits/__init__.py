@@ -47,11 +47,10 @@ def clamp(value: float) -> float:
     return max(-LIMIT, min(LIMIT, float(value)))
 
 
-def read_dial(value: Any) -> float | str | None:
+def read_dial(c: "Circuits", value: Any) -> float | str | None:
     """steering_intensity (or the persistent dial): None, a number in 0–2 (0 is off), "off",
     "min" or "max", read by the steering plugin's own rules."""
-    found = current()
-    return found.steering().read_dial(value)
+    return c.steering().read_dial(value)
 
 
 def _number(value: Any, what: str) -> float:
@@ -301,7 +300,7 @@ class Circuits:
                 return
         if "messages" not in request:
             return  # text completions and scoring are not steered by an active circuit
-        dial = read_dial(request.get("steering_intensity"))
+        dial = read_dial(self, request.get("steering_intensity"))
         if doc["mode"] == "slice_fallback":
             self.fallback(doc, dial, model.id, register)
             return
@@ -327,24 +326,10 @@ INTENSITY_HEADERS = ("X-miLLM-Steering-Intensity", "X-Localm-Steering-Intensity"
 
 # --- the plugin ---------------------------------------------------------------------------
 
-_STATE: dict[str, Circuits] = {}
-
-
-def current() -> Circuits:
-    found = _STATE.get("circuits")
-    if found is None:
-        raise sdk.LocalmError(503, "The circuits plugin is not running", code="plugin_inactive")
-    return found
-
-
 @sdk.hookimpl
-def startup(host: Any, plugin: Any) -> None:
-    _STATE["circuits"] = Circuits(host, plugin)
-
-
-@sdk.hookimpl
-def shutdown() -> None:
-    _STATE.pop("circuits", None)
+def create_service(host: Any, plugin: Any) -> Circuits:
+    """The plugin's state while it runs: routes reach it with ``sdk.service_of(request)``."""
+    return Circuits(host, plugin)
 
 
 @sdk.hookimpl
@@ -353,11 +338,9 @@ def register_settings(register: Any) -> None:
 
 
 @sdk.hookimpl
-def forward_interventions(request: Any, model: Any, register: Any) -> None:
-    c = _STATE.get("circuits")
-    if c is None or not isinstance(request, dict):
-        return
-    c.interventions(request, model, register)
+def forward_interventions(request: Any, model: Any, register: Any, plugin: Any) -> None:
+    if isinstance(request, dict):
+        plugin.service.interventions(request, model, register)
 
 
 @sdk.hookimpl

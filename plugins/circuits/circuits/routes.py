@@ -7,22 +7,26 @@ from typing import Any
 
 from localm import sdk
 
-from . import check_document, current, read_dial
+from . import Circuits, check_document, read_dial
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
     return await sdk.json_body(request, empty={})
 
 
+def current(request: sdk.Request) -> Circuits:
+    return sdk.service_of(request)
+
+
 @sdk.get("/api/circuits", summary="List imported circuits")
-async def list_circuits() -> dict[str, Any]:
-    data = current().data()
+async def list_circuits(request: sdk.Request) -> dict[str, Any]:
+    data = current(request).data()
     return {"circuits": list(data["circuits"].values()), "active": data.get("active")}
 
 
 @sdk.post("/api/circuits", status_code=201, summary="Import a circuit document")
 async def import_circuit(request: sdk.Request) -> dict[str, Any]:
-    c = current()
+    c = current(request)
     doc = check_document(await _body(request))
     doc["created"] = time.time()
     overwrite = request.query_params.get("overwrite", "").lower() in ("1", "true", "yes")
@@ -38,26 +42,26 @@ async def import_circuit(request: sdk.Request) -> dict[str, Any]:
 
 
 @sdk.get("/api/circuits/active", summary="The active circuit, its dial, and whether it is steering now")
-async def active_circuit() -> dict[str, Any]:
-    return current().active_view()
+async def active_circuit(request: sdk.Request) -> dict[str, Any]:
+    return current(request).active_view()
 
 
 @sdk.post("/api/circuits/deactivate", summary="Stop steering by the active circuit")
-async def deactivate_circuit() -> dict[str, Any]:
-    c = current()
+async def deactivate_circuit(request: sdk.Request) -> dict[str, Any]:
+    c = current(request)
     c.file.update(lambda data: data.__setitem__("active", None))
     return c.active_view()
 
 
 @sdk.put("/api/circuits/active/intensity", summary="Set the active circuit's persistent intensity dial")
 async def set_intensity(request: sdk.Request) -> dict[str, Any]:
-    c = current()
+    c = current(request)
     body = await _body(request)
     if "intensity" not in body:
         raise sdk.LocalmError(400, "Send {\"intensity\": λ} (0 to 2, \"off\", \"min\" or \"max\")",
                               code="invalid_parameter")
     try:
-        dial = read_dial(body["intensity"])
+        dial = read_dial(c, body["intensity"])
     except sdk.LocalmError as exc:
         raise sdk.LocalmError(400, f"intensity must be a number from 0 to 2, \"off\", \"min\" or \"max\"; got "
                                    f"{body['intensity']!r}", code="invalid_parameter") from exc
@@ -75,13 +79,13 @@ async def set_intensity(request: sdk.Request) -> dict[str, Any]:
 
 
 @sdk.get("/api/circuits/{name:str}", summary="One circuit")
-async def get_circuit(name: str) -> dict[str, Any]:
-    return current().circuit(name)
+async def get_circuit(request: sdk.Request, name: str) -> dict[str, Any]:
+    return current(request).circuit(name)
 
 
 @sdk.delete("/api/circuits/{name:str}", summary="Delete a circuit (deactivate it first)")
-async def delete_circuit(name: str) -> dict[str, Any]:
-    c = current()
+async def delete_circuit(request: sdk.Request, name: str) -> dict[str, Any]:
+    c = current(request)
 
     def remove(data: dict[str, Any]) -> None:
         if name not in data["circuits"]:
@@ -96,8 +100,8 @@ async def delete_circuit(name: str) -> dict[str, Any]:
 
 
 @sdk.post("/api/circuits/{name:str}/activate", summary="Steer every chat completion by this circuit")
-async def activate_circuit(name: str) -> dict[str, Any]:
-    c = current()
+async def activate_circuit(request: sdk.Request, name: str) -> dict[str, Any]:
+    c = current(request)
     doc = c.circuit(name)
     if doc["mode"] == "slice_fallback":
         c.steering().profile(doc["fallback_profile"])  # 404 when the backing cluster profile is missing
