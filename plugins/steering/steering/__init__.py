@@ -170,6 +170,14 @@ class Steering:
                                   code="invalid_parameter")
         return self.sae(next(iter(attached.values())))
 
+    def start(self) -> None:
+        """As the plugin starts: the stored model lock is applied again."""
+        self.apply_lock()
+
+    def stop(self) -> None:
+        """As the plugin stops: the lock is the steering plugin's, and goes with it."""
+        self.host.models.lock(None)
+
     def apply_lock(self) -> None:
         """Re-apply the stored model lock (a model since removed from the registry unlocks)."""
         try:
@@ -534,30 +542,11 @@ def _file_shape(path: Path, kind: str) -> tuple[int | None, int | None]:
 
 # --- the plugin ---------------------------------------------------------------------------
 
-_STATE: dict[str, Steering] = {}
-
-
-def current() -> Steering:
-    found = _STATE.get("steering")
-    if found is None:
-        raise sdk.LocalmError(503, "The steering plugin is not running", code="plugin_inactive")
-    return found
-
-
 @sdk.hookimpl
-def startup(host: Any, plugin: Any) -> None:
-    state = Steering(host, plugin)
-    _STATE["steering"] = state
-    state.apply_lock()
-    # for plugins that read SAEs (activations, circuits): .sae(id), .attached(), .decoder(sae)
-    host.provide("steering", state, plugin=plugin.name)
-
-
-@sdk.hookimpl
-def shutdown(host: Any) -> None:
-    _STATE.pop("steering", None)
-    if host is not None:
-        host.models.lock(None)  # the lock is the steering plugin's: it goes with it
+def create_service(host: Any, plugin: Any) -> Steering:
+    """The plugin's state while it runs (``host.service("steering")`` for plugins that read
+    SAEs: activations, circuits; ``sdk.service_of(request)`` in its routes)."""
+    return Steering(host, plugin)
 
 
 @sdk.hookimpl
@@ -571,12 +560,11 @@ def register_scopes(register: Any) -> None:
 
 
 @sdk.hookimpl
-def forward_interventions(request: Any, model: Any, register: Any) -> None:
-    s = _STATE.get("steering")
-    if s is None or not isinstance(request, dict):
+def forward_interventions(request: Any, model: Any, register: Any, plugin: Any) -> None:
+    if not isinstance(request, dict):
         return
-    s.activations(request, model, register)
-    s.interventions(request, model, register)
+    plugin.service.activations(request, model, register)
+    plugin.service.interventions(request, model, register)
 
 
 @sdk.hookimpl

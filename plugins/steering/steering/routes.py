@@ -11,12 +11,17 @@ from typing import Any
 
 from localm import sdk
 
-from . import current as steering
+from . import Steering
 from . import store
 from .store import read_index, read_strength
 
 NAME_MAX = 100
 SAE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def steering(request: sdk.Request) -> Steering:
+    """The plugin's running state (its create_service object)."""
+    return sdk.service_of(request)
 
 
 async def _body(request: sdk.Request) -> dict[str, Any]:
@@ -26,15 +31,15 @@ async def _body(request: sdk.Request) -> dict[str, Any]:
 # --- SAEs ---------------------------------------------------------------------------------
 
 @sdk.get("/api/saes", summary="List registered SAEs")
-async def list_saes() -> dict[str, Any]:
-    s = steering()
+async def list_saes(request: sdk.Request) -> dict[str, Any]:
+    s = steering(request)
     s.saes.check()
     return {"saes": [s.sae_view(sae) for sae in s.saes.data["saes"].values()]}
 
 
 @sdk.post("/api/saes", status_code=201, summary="Register an SAE from a SAELens folder or a Gemma Scope params.npz")
 async def register_sae(request: sdk.Request) -> dict[str, Any]:
-    s = steering()
+    s = steering(request)
     body = await _body(request)
     s.saes.check()
     info = store.inspect_sae(body.get("path"), body.get("layer"))
@@ -60,14 +65,14 @@ def _folder_name(path: str) -> str:
 
 
 @sdk.get("/api/saes/{sae_id:str}", summary="One registered SAE")
-async def get_sae(sae_id: str) -> dict[str, Any]:
-    s = steering()
+async def get_sae(request: sdk.Request, sae_id: str) -> dict[str, Any]:
+    s = steering(request)
     return s.sae_view(s.sae(sae_id))
 
 
 @sdk.delete("/api/saes/{sae_id:str}", summary="Unregister an SAE (detach it first)")
-async def delete_sae(sae_id: str) -> dict[str, Any]:
-    s = steering()
+async def delete_sae(request: sdk.Request, sae_id: str) -> dict[str, Any]:
+    s = steering(request)
     sae = s.sae(sae_id)
     s.state.check()
     if s.attached().get(sae["layer"]) == sae_id:
@@ -85,7 +90,7 @@ async def delete_sae(sae_id: str) -> dict[str, Any]:
 
 @sdk.post("/api/saes/{sae_id:str}/attach", summary="Attach an SAE at its layer")
 async def attach_sae(request: sdk.Request, sae_id: str) -> dict[str, Any]:
-    s = steering()
+    s = steering(request)
     body = await _body(request)
     sae = s.sae(sae_id)
     s.state.check()
@@ -111,8 +116,8 @@ async def attach_sae(request: sdk.Request, sae_id: str) -> dict[str, Any]:
 
 
 @sdk.post("/api/saes/{sae_id:str}/detach", summary="Detach an SAE")
-async def detach_sae(sae_id: str) -> dict[str, Any]:
-    s = steering()
+async def detach_sae(request: sdk.Request, sae_id: str) -> dict[str, Any]:
+    s = steering(request)
     sae = s.sae(sae_id)
     s.state.check()
     if s.attached().get(sae["layer"]) != sae_id:
@@ -125,12 +130,11 @@ async def detach_sae(sae_id: str) -> dict[str, Any]:
 # --- the live steering state -----------------------------------------------------------------
 
 @sdk.get("/api/steering", summary="The steering state")
-async def get_steering() -> dict[str, Any]:
-    return steering().state_view()
+async def get_steering(request: sdk.Request) -> dict[str, Any]:
+    return steering(request).state_view()
 
 
-def _set_enabled(on: bool) -> dict[str, Any]:
-    s = steering()
+def _set_enabled(s: Steering, on: bool) -> dict[str, Any]:
     s.state.check()
     s.state.data["enabled"] = on
     s.state.save()
@@ -138,13 +142,13 @@ def _set_enabled(on: bool) -> dict[str, Any]:
 
 
 @sdk.post("/api/steering/enable", summary="Turn steering on")
-async def enable_steering() -> dict[str, Any]:
-    return _set_enabled(True)
+async def enable_steering(request: sdk.Request) -> dict[str, Any]:
+    return _set_enabled(steering(request), True)
 
 
 @sdk.post("/api/steering/disable", summary="Turn steering off (per-request profiles still steer)")
-async def disable_steering() -> dict[str, Any]:
-    return _set_enabled(False)
+async def disable_steering(request: sdk.Request) -> dict[str, Any]:
+    return _set_enabled(steering(request), False)
 
 
 @sdk.post("/api/steering/lock", summary="Lock a model: GET /v1/models then lists only it")
@@ -153,7 +157,7 @@ async def lock_model(request: sdk.Request) -> dict[str, Any]:
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise sdk.LocalmError(400, "model must name a registered model", code="invalid_parameter")
-    s = steering()
+    s = steering(request)
     s.state.check()
     models = sdk.host_of(request).models
     locked = models.resolve(name).id  # 404 for an unknown model, before anything is stored
@@ -165,7 +169,7 @@ async def lock_model(request: sdk.Request) -> dict[str, Any]:
 
 @sdk.delete("/api/steering/lock", summary="Unlock: GET /v1/models lists every model again")
 async def unlock_model(request: sdk.Request) -> dict[str, Any]:
-    s = steering()
+    s = steering(request)
     s.state.check()
     s.state.data["locked_model"] = None
     s.state.save()
@@ -175,7 +179,7 @@ async def unlock_model(request: sdk.Request) -> dict[str, Any]:
 
 @sdk.post("/api/steering/features", summary="Set one feature's strength")
 async def set_feature(request: sdk.Request) -> dict[str, Any]:
-    s = steering()
+    s = steering(request)
     body = await _body(request)
     s.state.check()
     sae = s.pick_sae(body.get("sae_id"))
@@ -186,7 +190,7 @@ async def set_feature(request: sdk.Request) -> dict[str, Any]:
 
 @sdk.post("/api/steering/features/batch", summary="Set several features' strengths at once")
 async def set_features(request: sdk.Request) -> dict[str, Any]:
-    s = steering()
+    s = steering(request)
     body = await _body(request)
     s.state.check()
     sae = s.pick_sae(body.get("sae_id"))
@@ -201,8 +205,8 @@ async def set_features(request: sdk.Request) -> dict[str, Any]:
 
 
 @sdk.delete("/api/steering/features/{index:int}", summary="Remove one feature")
-async def delete_feature(index: int, sae_id: str | None = None) -> dict[str, Any]:
-    s = steering()
+async def delete_feature(request: sdk.Request, index: int, sae_id: str | None = None) -> dict[str, Any]:
+    s = steering(request)
     s.state.check()
     sae = s.pick_sae(sae_id)
     before = s.state.data["features"]
@@ -216,7 +220,7 @@ async def delete_feature(index: int, sae_id: str | None = None) -> dict[str, Any
 
 @sdk.post("/api/steering/clear", summary="Remove every feature (of one SAE with sae_id)")
 async def clear_features(request: sdk.Request) -> dict[str, Any]:
-    s = steering()
+    s = steering(request)
     body = await _body(request)
     s.state.check()
     sae_id = body.get("sae_id")
@@ -289,9 +293,8 @@ def _intensity(value: Any) -> float:
     return float(value)
 
 
-def _profile_from(body: dict[str, Any], *, name: str) -> dict[str, Any]:
+def _profile_from(s: Steering, body: dict[str, Any], *, name: str) -> dict[str, Any]:
     """A profile from a document: the create body or an exported profile."""
-    s = steering()
     sae = _sae_ref(body.get("sae"))
     if sae is None and any(body.get(k) is not None for k in ("sae_id", "layer", "d_sae")):
         sae = _sae_ref({"id": body.get("sae_id"), "layer": body.get("layer"), "d_sae": body.get("d_sae")})
@@ -333,8 +336,7 @@ def _profile_from(body: dict[str, Any], *, name: str) -> dict[str, Any]:
     return profile
 
 
-def _save_profile(profile: dict[str, Any], *, replace: bool) -> dict[str, Any]:
-    s = steering()
+def _save_profile(s: Steering, profile: dict[str, Any], *, replace: bool) -> dict[str, Any]:
     s.profiles.check()
     existing = s.profiles.data["profiles"].get(profile["name"])
     if existing is not None and not replace:
@@ -359,8 +361,8 @@ def export_doc(profile: dict[str, Any]) -> dict[str, Any]:
 
 
 @sdk.get("/api/profiles", summary="List steering profiles")
-async def list_profiles() -> dict[str, Any]:
-    s = steering()
+async def list_profiles(request: sdk.Request) -> dict[str, Any]:
+    s = steering(request)
     s.profiles.check()
     s.state.check()
     return {"profiles": list(s.profiles.data["profiles"].values()), "active": s.state.data["active_profile"]}
@@ -369,8 +371,8 @@ async def list_profiles() -> dict[str, Any]:
 @sdk.post("/api/profiles", status_code=201, summary="Save a profile (from features, or the live values)")
 async def create_profile(request: sdk.Request) -> dict[str, Any]:
     body = await _body(request)
-    profile = _profile_from(body, name=_name(body.get("name")))
-    return _save_profile(profile, replace=False)
+    profile = _profile_from(steering(request), body, name=_name(body.get("name")))
+    return _save_profile(steering(request), profile, replace=False)
 
 
 @sdk.post("/api/profiles/import", status_code=201, summary="Import an exported profile document")
@@ -378,13 +380,13 @@ async def import_profile(request: sdk.Request, overwrite: bool = False) -> dict[
     body = await _body(request)
     if isinstance(body.get("profile"), dict):
         body = body["profile"]
-    profile = _profile_from({**body, "features": body.get("features", [])}, name=_name(body.get("name")))
-    return _save_profile(profile, replace=overwrite)
+    profile = _profile_from(steering(request), {**body, "features": body.get("features", [])}, name=_name(body.get("name")))
+    return _save_profile(steering(request), profile, replace=overwrite)
 
 
 @sdk.post("/api/profiles/deactivate", summary="Steer by the live feature values again")
-async def deactivate_profile() -> dict[str, Any]:
-    s = steering()
+async def deactivate_profile(request: sdk.Request) -> dict[str, Any]:
+    s = steering(request)
     s.state.check()
     s.state.data["active_profile"] = None
     s.state.save()
@@ -392,18 +394,18 @@ async def deactivate_profile() -> dict[str, Any]:
 
 
 @sdk.get("/api/profiles/{name:str}", summary="One profile")
-async def get_profile(name: str) -> dict[str, Any]:
-    return steering().profile(name)
+async def get_profile(request: sdk.Request, name: str) -> dict[str, Any]:
+    return steering(request).profile(name)
 
 
 @sdk.get("/api/profiles/{name:str}/export", summary="A profile as a portable JSON document")
-async def export_profile(name: str) -> dict[str, Any]:
-    return export_doc(steering().profile(name))
+async def export_profile(request: sdk.Request, name: str) -> dict[str, Any]:
+    return export_doc(steering(request).profile(name))
 
 
 @sdk.patch("/api/profiles/{name:str}", summary="Change a profile")
 async def update_profile(request: sdk.Request, name: str) -> dict[str, Any]:
-    s = steering()
+    s = steering(request)
     profile = dict(s.profile(name))
     body = await _body(request)
     unknown = set(body) - {"description", "features", "intensity_range", "intensity", "cluster", "sae"}
@@ -436,12 +438,12 @@ async def update_profile(request: sdk.Request, name: str) -> dict[str, Any]:
     if ref.get("d_sae") is not None and any(f["index"] >= ref["d_sae"] for f in profile["features"]):
         raise sdk.LocalmError(400, f"A feature is past the SAE's width ({ref['d_sae']})", code="invalid_feature_index")
     profile["updated"] = time.time()
-    return _save_profile(profile, replace=True)
+    return _save_profile(steering(request), profile, replace=True)
 
 
 @sdk.delete("/api/profiles/{name:str}", summary="Delete a profile")
-async def delete_profile(name: str) -> dict[str, Any]:
-    s = steering()
+async def delete_profile(request: sdk.Request, name: str) -> dict[str, Any]:
+    s = steering(request)
     s.profile(name)
     s.state.check()
     del s.profiles.data["profiles"][name]
@@ -453,8 +455,8 @@ async def delete_profile(name: str) -> dict[str, Any]:
 
 
 @sdk.post("/api/profiles/{name:str}/activate", summary="Steer every request by this profile")
-async def activate_profile(name: str) -> dict[str, Any]:
-    s = steering()
+async def activate_profile(request: sdk.Request, name: str) -> dict[str, Any]:
+    s = steering(request)
     profile = s.profile(name)
     s.state.check()
     s.profile_target(profile)  # refuse a profile that does not fit the attached SAEs
