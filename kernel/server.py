@@ -73,6 +73,14 @@ def bind_socket(host: str, port: int, *, bump: bool, wait: float = 0.0) -> socke
 SWITCH_INTERVAL = 0.0005
 
 
+def serving_line(kernel: Kernel, host: str, port: int, loop: str, http: str, *, restarted: bool = False) -> str:
+    """The line a server announces once it answers: its address, data dir, plugins, loop and parser."""
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+    active = [p.name for p in kernel.plugins.plugins.values() if p.active]
+    return (f"localm {'restarted' if restarted else 'serving'} on {url} "
+            f"(data: {kernel.data_dir}; plugins: {', '.join(sorted(active)) or 'none'}; {loop}, {http})")
+
+
 def _stopped(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
@@ -102,10 +110,7 @@ def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model
 
     def announce() -> None:
         kernel.write_server_file(host, actual)
-        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual}"
-        active = [p.name for p in kernel.plugins.plugins.values() if p.active]
-        logs.announce(f"localm {'restarted' if restart_port else 'serving'} on {url} "
-                      f"(data: {kernel.data_dir}; plugins: {', '.join(sorted(active)) or 'none'}; {loop}, {http})")
+        logs.announce(serving_line(kernel, host, actual, loop, http, restarted=bool(restart_port)))
 
     kernel.on_ready = announce
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again: end with status 0

@@ -226,15 +226,19 @@ class _InProcess:
         import uvicorn
 
         from localm.kernel.runtime import Kernel
+        from localm.kernel.server import pick, serving_line
 
         s = self.server
         stores = _store_roots(s.env)
+        loop, http = pick("loop", "auto"), pick("http", "auto")
+        restarted = False
         try:
             while True:
                 kernel = Kernel(s.data_dir, bind_host=s.host, port=self.port, only=s.plugins, model=s.model,
                                 store_dirs=stores)
                 config = uvicorn.Config(kernel.asgi, lifespan="on", log_level="warning", access_log=False,
-                                        timeout_graceful_shutdown=5, log_config=None, server_header=False)
+                                        timeout_graceful_shutdown=5, log_config=None, server_header=False,
+                                        loop=loop, http=http)
                 self.running = uvicorn.Server(config)  # on a thread that is not main: no signal handlers
                 restart = [False]
 
@@ -242,8 +246,11 @@ class _InProcess:
                     restart[0] = again
                     running.should_exit = True
 
-                def announce(kernel: Any = kernel) -> None:
+                def announce(kernel: Any = kernel, restarted: bool = restarted) -> None:
                     kernel.write_server_file(s.host, self.port)
+                    line = serving_line(kernel, s.host, self.port, loop, http, restarted=restarted)
+                    with open(s.log_path, "a", encoding="utf-8") as log:  # as localm serve prints it
+                        log.write(line + "\n")
                     info = json.loads((s.data_dir / "server.json").read_text())
                     self.url, self.token = info["url"], info["token"]
                     self.ready.set()
@@ -256,6 +263,7 @@ class _InProcess:
                     kernel.forget_server_file()
                 if not restart[0] or self.stopping:
                     return
+                restarted = True
         except BaseException as exc:  # reported by wait(); the thread ends
             self.failed = exc
             self.ready.set()
@@ -291,6 +299,9 @@ def _cli_in_process(cmd: list[str], input: str | None, env: dict[str, str]) -> s
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "server_process: the test's servers run as localm serve subprocesses "
                                        "(it signals, kills, restarts or waits on the process)")
+    # a server runs in the test's process: Litestar's notice that a route's parameters are read
+    # from the handler's signature (the SDK's documented style, with litestar<3) is not the test's
+    config.addinivalue_line("filterwarnings", "ignore::litestar.exceptions.LitestarDeprecationWarning")
 
 
 def wants_process(request: pytest.FixtureRequest) -> bool | None:
