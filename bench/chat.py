@@ -287,7 +287,7 @@ class Localm:
         self.name = f"localm+{hooks} stream hook{'s' if hooks > 1 else ''}" if hooks else "localm"
         self.hook_plugins = write_hook_plugins(workdir / f"hooks-{hooks}", hooks)
         plugins = ["chat", "llamacpp", *(folder.name for folder in self.hook_plugins)]
-        self.server = LocalmServer(workdir / f"localm-data-{hooks}", plugins=plugins)
+        self.server = LocalmServer(workdir / f"localm-data-{hooks}", process=True, plugins=plugins)
         self.settings = {"n_threads": args.threads, "n_ctx": args.n_ctx, "n_batch": args.n_batch}
         self.model_path = args.model
         self.model: str | None = None  # the default model unless --model

@@ -80,7 +80,7 @@ def main() -> None:
             data.mkdir()
             settings = {"llamacpp": {"n_threads": args.threads, "n_batch": args.n_batch, "n_ctx": n_ctx}}
             (data / "config.json").write_text(json.dumps({"plugins": settings}))
-            servers[name] = LocalmServer(data, plugins=["chat", "llamacpp"]).start()
+            servers[name] = LocalmServer(data, process=True, plugins=["chat", "llamacpp"]).start()
         rows: dict[str, dict[str, list[float]]] = {name: {"first": [], "steady": []} for name in servers}
         seen: dict[str, tuple[int, int]] = {}
         n = 0

@@ -75,7 +75,7 @@ class WithFilters(chat.Localm):
             self.name = f"localm+{hooks} Open WebUI stream filter{'s' if hooks > 1 else ''}"
             self.functions = write_functions(workdir / "functions", hooks)
             plugins = ["chat", "llamacpp", "openwebui", *(path.stem for path in self.functions)]
-            self.server = LocalmServer(workdir / "localm-data-functions", plugins=plugins)
+            self.server = LocalmServer(workdir / "localm-data-functions", process=True, plugins=plugins)
 
     def start(self) -> None:
         self.server.data_dir.mkdir(parents=True, exist_ok=True)

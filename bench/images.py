@@ -95,7 +95,7 @@ def main() -> None:
     folder.mkdir(parents=True)
     (folder / "bench.json").write_text(json.dumps(GRAPH))
     (folder / "bench.map.json").write_text(json.dumps(MAPPING))
-    server = LocalmServer(data_dir, plugins=["chat", "images"]).start()
+    server = LocalmServer(data_dir, process=True, plugins=["chat", "images"]).start()
     try:
         owner = server.owner()
         owner.post("/api/plugins/images/enable").raise_for_status()

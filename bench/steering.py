@@ -93,7 +93,7 @@ def run(engine: str, args: argparse.Namespace) -> dict[str, list[dict[str, float
     env = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
     threads = args.threads if engine == "transformers" else 0
     with tempfile.TemporaryDirectory(prefix="localm-bench-steering-") as tmp:
-        server = LocalmServer(Path(tmp) / "data", plugins=["chat", engine, "steering", "circuits"], env=env)
+        server = LocalmServer(Path(tmp) / "data", process=True, plugins=["chat", engine, "steering", "circuits"], env=env)
         server.start()
         try:
             owner = server.owner()

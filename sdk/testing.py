@@ -197,8 +197,10 @@ class _InProcess:
         self.failed: BaseException | None = None
         self.running: Any = None
         self.stopping = False
+        from localm.kernel.logs import TEXT_FORMAT
+
         self.handler = logging.FileHandler(server.log_path, encoding="utf-8")
-        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.handler.setFormatter(logging.Formatter(TEXT_FORMAT))  # as localm serve writes its log
 
     def start(self) -> tuple[str, int, str]:
         from localm.kernel.server import SWITCH_INTERVAL, bind_socket
