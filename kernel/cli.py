@@ -564,7 +564,7 @@ def plugin_install_deps(obj: Ctx, name: str) -> None:
             _after_change(obj, name)
             return
         host = obj.offline_plugins()
-        p = host.get(name)
+        p = host.files.get(name)
         wanted = deps.missing(p.manifest.requirements if p.manifest else ())
         if not wanted:
             click.echo("All requirements are already installed.")
