@@ -2,11 +2,13 @@
 n_ctx to the model's trained context, Ollama's num_ctx, compaction past the ceiling on every
 surface, the clear refusal of what cannot fit, background tasks capped and queued after
 interactive requests, keep_alive, and the config resets. A real server runs SmolLM2 (trained
-for 8,192 tokens) on llama.cpp, opened at the default n_ctx of 4,096, with default settings
-but one: the long conversation below arrives whole in one request and needs two passes of
-summarising, so the chat plugin's compaction_max_tokens is raised past its default of about
-one pass; the clients are the official openai, ollama and anthropic SDKs (and httpx for the
-headers of streams)."""
+for 8,192 tokens) on llama.cpp, opened at the default n_ctx of 4,096, with default settings.
+Compaction is tested on a second server whose window a user capped (llama.cpp's n_ctx 1,024
+and n_ctx_max 2,048): past that ceiling compaction works as past the trained context, on a
+quarter of the tokens. Its long conversation arrives whole in one request and needs two passes
+of summarising, so the chat plugin's compaction_max_tokens is raised past its default of
+about one pass. The clients are the official openai, ollama and anthropic SDKs (and httpx
+for the headers of streams)."""
 
 from __future__ import annotations
 
@@ -33,11 +35,25 @@ TRAINED = 8192
 PLUGINS = ["chat", "llamacpp", "ollama", "anthropic"]
 
 
+#: The ceiling of the compacting server's window (llama.cpp's n_ctx_max).
+CEILING = 2048
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalmServer]:
     data = tmp_path_factory.mktemp("context") / "data"
     data.mkdir()
-    (data / "config.json").write_text(json.dumps({"plugins": {"chat": {"compaction_max_tokens": 32768}}}))
+    s = LocalmServer(data, plugins=PLUGINS).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def compacting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalmServer]:
+    data = tmp_path_factory.mktemp("compacting") / "data"
+    data.mkdir()
+    (data / "config.json").write_text(json.dumps({"plugins": {
+        "chat": {"compaction_max_tokens": 32768}, "llamacpp": {"n_ctx": 1024, "n_ctx_max": CEILING}}}))
     s = LocalmServer(data, plugins=PLUGINS).start()
     yield s
     s.stop()
@@ -53,8 +69,15 @@ def olla(server: LocalmServer) -> Any:
     return ollama.Client(host=server.url, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def coai(compacting: LocalmServer) -> Any:
+    return openai.OpenAI(base_url=compacting.url + "/v1", api_key="none", timeout=300)
+
+
 def open_webui_tools(count: int = 36) -> list[dict[str, Any]]:
-    """Tool definitions of the size Open WebUI sends with every chat (36 of them, about 26 KB)."""
+    """Tool definitions of the size Open WebUI sends with every chat (36 of them, about 26 KB),
+    their keys in the order the ollama client writes them, so both clients' prompts are the same
+    text and the second request reads the first one's cache."""
     tools = []
     for n in range(count):
         properties = {name: {"type": "string", "description": f"The {name} the tool works on, as the user gave it."}
@@ -64,7 +87,7 @@ def open_webui_tools(count: int = 36) -> list[dict[str, Any]]:
             "description": ("Searches, fetches, reads or writes what the user asks about: notes, knowledge bases, "
                             "web pages, chats, memories and files. Call it only when the user's request needs "
                             "it, with the query filled in; it returns text for the assistant to answer from."),
-            "parameters": {"type": "object", "properties": properties, "required": ["query"]}}})
+            "parameters": {"type": "object", "required": ["query"], "properties": properties}}})
     return tools
 
 
@@ -133,83 +156,87 @@ def test_num_ctx_sets_the_window_as_on_ollama(server: LocalmServer, olla: Any) -
 
 # --- compaction --------------------------------------------------------------------
 
-LONG = conversation(24)
+LONG = conversation(6)
 
 
-def test_the_long_conversation_is_past_the_trained_context() -> None:
+def test_the_long_conversation_is_past_the_ceiling(compacting: LocalmServer) -> None:
     words = sum(len(m["content"].split()) for m in LONG)
-    assert words > 9000  # about 12,000 tokens: more than the 8,192 the model was trained for
+    assert words > CEILING  # about 3,000 tokens: more than the 2,048 the window may grow to
+    r = httpx.post(compacting.url + "/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False,
+                                                            "options": {"num_ctx": 100_000, "num_predict": 2}})
+    assert r.status_code == 200 and ps(compacting)[MODEL]["context_length"] == CEILING
 
 
-def test_compacted_on_the_openai_route(oai: Any) -> None:
-    raw = oai.chat.completions.with_raw_response.create(model=MODEL, messages=LONG, max_tokens=24)
+def test_compacted_on_the_openai_route(coai: Any) -> None:
+    raw = coai.chat.completions.with_raw_response.create(model=MODEL, messages=LONG, max_tokens=24)
     assert raw.status_code == 200 and raw.headers["x-localm-context-compacted"] == "1"
     r = raw.parse()
-    assert r.choices[0].message.content and r.usage.prompt_tokens < TRAINED
-    with oai.chat.completions.with_streaming_response.create(model=MODEL, messages=LONG, max_tokens=24,
-                                                             stream=True) as stream:
+    assert r.choices[0].message.content and r.usage.prompt_tokens < CEILING
+    with coai.chat.completions.with_streaming_response.create(model=MODEL, messages=LONG, max_tokens=24,
+                                                              stream=True) as stream:
         assert stream.headers["x-localm-context-compacted"] == "1"
         text = "".join(line for line in stream.iter_lines())
     assert "compacting" in text and '"finish_reason":"error"' not in text.replace(" ", "")
 
 
-def test_compacted_on_the_ollama_route(server: LocalmServer, olla: Any) -> None:
+def test_compacted_on_the_ollama_route(compacting: LocalmServer) -> None:
     body = {"model": MODEL, "messages": LONG, "options": {"num_predict": 24}}
-    r = httpx.post(server.url + "/api/chat", json={**body, "stream": False}, timeout=300)
+    r = httpx.post(compacting.url + "/api/chat", json={**body, "stream": False}, timeout=300)
     assert r.status_code == 200 and r.headers["x-localm-context-compacted"] == "1", r.text
     assert r.json()["message"]["content"]
-    with httpx.stream("POST", server.url + "/api/chat", json=body, timeout=300) as s:
+    with httpx.stream("POST", compacting.url + "/api/chat", json=body, timeout=300) as s:
         assert s.status_code == 200 and s.headers["x-localm-context-compacted"] == "1"
         lines = [json.loads(line) for line in s.iter_lines() if line]
     assert lines[-1]["done"] is True and lines[-1]["done_reason"] in ("stop", "length")
+    olla = ollama.Client(host=compacting.url, timeout=300)
     assert olla.chat(model=MODEL, messages=LONG, options={"num_predict": 8}).done
 
 
-def test_compacted_on_the_anthropic_route(server: LocalmServer) -> None:
-    client = anthropic.Anthropic(base_url=server.url, api_key="none", timeout=300)
+def test_compacted_on_the_anthropic_route(compacting: LocalmServer) -> None:
+    client = anthropic.Anthropic(base_url=compacting.url, api_key="none", timeout=300)
     raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=24, system=LONG[0]["content"],
                                                    messages=LONG[1:])
     assert raw.status_code == 200 and raw.headers["x-localm-context-compacted"] == "1"
     assert raw.parse().content[0].text
     body = {"model": MODEL, "max_tokens": 24, "system": LONG[0]["content"], "messages": LONG[1:], "stream": True}
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=300) as s:
+    with httpx.stream("POST", compacting.url + "/v1/messages", json=body, timeout=300) as s:
         assert s.status_code == 200 and s.headers["x-localm-context-compacted"] == "1"
         text = "".join(s.iter_lines())
     assert "message_stop" in text
 
 
-def test_what_cannot_fit_even_after_compaction_is_refused(server: LocalmServer, oai: Any) -> None:
-    giant = " ".join(f"word{n}" for n in range(9000))  # one message longer than the model was trained for
+def test_what_cannot_fit_even_after_compaction_is_refused(compacting: LocalmServer, coai: Any) -> None:
+    giant = " ".join(f"word{n}" for n in range(CEILING))  # one message longer than the window may grow
     messages = [*LONG[:3], {"role": "user", "content": giant}]
     with pytest.raises(openai.APIStatusError) as err:
-        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+        coai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
     assert err.value.status_code == 413
-    assert "even after compaction" in str(err.value) and "8192" in str(err.value)
-    r = httpx.post(server.url + "/api/chat", json={"model": MODEL, "messages": messages}, timeout=300)
+    assert "even after compaction" in str(err.value) and str(CEILING) in str(err.value)
+    r = httpx.post(compacting.url + "/api/chat", json={"model": MODEL, "messages": messages}, timeout=300)
     assert r.status_code == 400 and "even after compaction" in r.json()["error"]  # Ollama's status for it
 
 
-def test_a_max_tokens_that_fits_after_compaction_is_compacted_not_refused(oai: Any) -> None:
-    # 3,000 is more than a quarter of the window: the prompt is compacted to leave all of it
-    raw = oai.chat.completions.with_raw_response.create(model=MODEL, messages=LONG, max_tokens=3000,
-                                                        temperature=0, stop=["."])
+def test_a_max_tokens_that_fits_after_compaction_is_compacted_not_refused(coai: Any) -> None:
+    # 750 is more than a quarter of the window: the prompt is compacted to leave all of it
+    raw = coai.chat.completions.with_raw_response.create(model=MODEL, messages=LONG, max_tokens=750,
+                                                         temperature=0, stop=["."])
     assert raw.status_code == 200 and raw.headers["x-localm-context-compacted"] == "1"
     r = raw.parse()
-    assert r.usage.prompt_tokens + 3000 <= TRAINED and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens + 750 <= CEILING and r.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_max_tokens_no_compaction_can_make_room_for_is_a_400(server: LocalmServer, oai: Any) -> None:
-    # the system prompt, the latest message and a summary leave less than 8,000 tokens
+def test_a_max_tokens_no_compaction_can_make_room_for_is_a_400(compacting: LocalmServer, coai: Any) -> None:
+    # the system prompt, the latest message and a summary leave less than 1,900 tokens
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=MODEL, messages=LONG, max_tokens=8000)
+        coai.chat.completions.create(model=MODEL, messages=LONG, max_tokens=1900)
     message = err.value.body["message"]
     assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "max_tokens"
-    assert message.startswith("Even after compaction the prompt takes ") and f"window of {TRAINED} tokens" in message
-    assert "max_tokens is 8000" in message
+    assert message.startswith("Even after compaction the prompt takes ") and f"window of {CEILING} tokens" in message
+    assert "max_tokens is 1900" in message
     # a cap the window cannot hold at all is refused before anything is summarised
-    r = httpx.post(server.url + "/api/chat", timeout=300, json={"model": MODEL, "messages": LONG, "stream": False,
-                                                                "options": {"num_predict": TRAINED}})
-    assert r.status_code == 400 and "options.num_predict is 8192" in r.json()["error"], r.text
+    r = httpx.post(compacting.url + "/api/chat", timeout=300, json={
+        "model": MODEL, "messages": LONG, "stream": False, "options": {"num_predict": CEILING}})
+    assert r.status_code == 400 and f"options.num_predict is {CEILING}" in r.json()["error"], r.text
     assert "x-localm-context-compacted" not in r.headers
 
 
