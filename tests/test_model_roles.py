@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest

@@ -10,7 +10,6 @@ localm server serve the whole module; the llama-cpp-python upstream is killed by
 from __future__ import annotations
 
 import json
-import os
 import socket
 import stat
 import subprocess

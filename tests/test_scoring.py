@@ -5,7 +5,6 @@ the arithmetic and the request test in process."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata as md
 import importlib.util
 import math
@@ -124,21 +123,11 @@ def _llama_engine(server: LocalmServer) -> Engine:
 
 def _hf_engine(server: LocalmServer) -> Engine:
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    gguf = smollm2_gguf()
-    # the engine's helper that reads the GGUF once rather than at every step (a load in seconds, not tens)
-    spec_ = importlib.util.spec_from_file_location("localm_test_scoring_hf", ROOT / "plugins/transformers/hf_engine.py")
-    assert spec_ is not None and spec_.loader is not None
-    module = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(module)
-    quick = getattr(module, "_quick_gguf_load", contextlib.nullcontext)
-    transformers.utils.logging.disable_progress_bar()
-    with quick():
-        tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                                  dtype=torch.float32)
-    model.eval()
+    from sae_fixtures import reference_model
+    # read once per test process, with the engine's quick GGUF load (seconds, not tens)
+    tok, model = reference_model(smollm2_gguf())
 
     def logits(ids: list[int]) -> Any:
         with torch.inference_mode():

@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import pytest
 from localm.sdk.testing import LocalmServer
+import sae_fixtures as fixtures
 from sae_fixtures import (
     decoder_rows,
-    smollm2_gguf,
     write_gemma_scope_npz,
     write_saelens_sae,
 )
@@ -38,11 +38,7 @@ DIAL = "x-millm-steering-intensity"
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
-    path = smollm2_gguf()
-    kwargs = {"gguf_file": path.name, "local_files_only": True}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs).eval()
-    return tokenizer, model
+    return fixtures.smollm2_reference()
 
 
 @pytest.fixture(scope="module")

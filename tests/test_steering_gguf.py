@@ -50,11 +50,7 @@ def f32_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(f32_path: Path) -> Any:
-    path = f32_path
-    kwargs = {"gguf_file": path.name, "local_files_only": True}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs).eval()
-    return tokenizer, model
+    return fixtures.reference_model(f32_path)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sae_fixtures as fixtures
 from conftest import offline_cli, sse_events
 
 torch = pytest.importorskip("torch")
@@ -30,11 +31,7 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
-    path = gguf_path()
-    kwargs = {"gguf_file": path.name, "local_files_only": True}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs).eval()
-    return tokenizer, model
+    return fixtures.smollm2_reference()
 
 
 def steer_direction(reference: Any, word: str, scale: float) -> tuple[int, list[float]]:
