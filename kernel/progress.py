@@ -120,9 +120,15 @@ class Display:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+            from rich.table import Column
+
             console = Console(file=self.file, highlight=False)
-            self._rich = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *_columns(),
-                                  TimeElapsedColumn(), console=console)
+            # the numbers keep their width on any terminal: the label gives way, cut with an ellipsis
+            # (the spinner, a 20-cell bar, "1023.9/1024.0 MB", "1023.9 MB/s", "0:00:00" and the gaps
+            # take 60 cells)
+            label = Column(no_wrap=True, overflow="ellipsis", max_width=max(10, console.width - 60))
+            self._rich = Progress(SpinnerColumn(), TextColumn("{task.description}", table_column=label),
+                                  BarColumn(bar_width=20), *_columns(), TimeElapsedColumn(), console=console)
             self._rich.start()
         return self
 

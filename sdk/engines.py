@@ -1,5 +1,7 @@
 """The engine hook spec, for plugins that provide or use inference engines."""
 
+import os
+
 from localm.kernel.constrain import (
     LOGPROB_FLOOR,
     Constrainer,
@@ -42,4 +44,14 @@ __all__ = ["LOGPROB_FLOOR", "ActivationRead", "Batched", "Capabilities", "ChatEn
            "Constraint", "EmbeddingEngine", "Engine", "EngineError", "LoadedModel", "RerankEngine",
            "SpeechToTextEngine", "TextToSpeechEngine", "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Job", "Queued", "Ranked", "Sampling",
            "Serial", "Started", "Status", "Token", "TokenMasker", "Turns", "logprob_entry", "safe_logprob",
-           "steering_of"]
+           "steering_of", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: what ``taskset``, a cpuset or a
+    container's CPU pinning leaves it), the default an engine sizes its thread pool by. More
+    threads than that wait on each other (a spinning thread pool loses whole scheduler slices)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

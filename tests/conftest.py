@@ -4,6 +4,7 @@ visible as a catalog (LOCALM_PLUGIN_STORE)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -20,6 +21,35 @@ STORE_ENV = {"LOCALM_PLUGIN_STORE": str(TEST_STORE)}
 AUTH_REFUSALS = ("Missing API key", "Invalid API key", "Key lacks required scope",
                  "Open-mode management requires", "Cross-origin request refused", "API key expired",
                  "Missing or invalid CSRF token", "Session expired")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker runs on cores of its own (its share of this process's
+    affinity mask), so the engines of two workers' servers (sized by sdk.engines.usable_cores)
+    never spin on the same core."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= count:
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
+
+
+#: Test files that install packages into this interpreter's environment or remove them (pip,
+#: directly or through a documented command): under pytest-xdist they run one after another on
+#: one worker, as one group.
+SHARED_ENVIRONMENT = frozenset({"test_cli.py", "test_cli_catalog.py", "test_cli_progress.py", "test_docs.py",
+                                "test_openwebui.py", "test_plugins.py", "test_speech.py"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` each file is a group (its module servers start once, on one
+    worker), the files of SHARED_ENVIRONMENT together one group."""
+    if config.getoption("dist", default="no") != "loadgroup":
+        return
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("environment" if name in SHARED_ENVIRONMENT else name))
 
 
 def sse_events(server: Any, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import struct
-import threading
 import time
 import warnings
 from collections import deque
@@ -40,7 +39,8 @@ class Settings:
                                                        "the model was trained for), within ctx_memory_mb")
     ctx_memory_mb: int = sdk.setting(4096, min=16, description="The memory a model's context (its KV cache) may take "
                                                                "as it grows, in MiB")
-    n_threads: int = sdk.setting(0, min=0, description="CPU threads for generation (0: one per core)")
+    n_threads: int = sdk.setting(0, min=0, description="CPU threads for generation (0: one per core this process "
+                                                       "may run on)")
     n_batch: int = sdk.setting(512, min=1, description="Prompt tokens read per step beside the running replies' "
                                                        "next tokens; a prompt is read in chunks of this size")
     n_parallel: int = sdk.setting(4, min=1, max=64, description="Requests a model decodes at once, in one batch a "
@@ -374,7 +374,7 @@ class LlamaEngine:
             from llama_cpp import Llama
         except ImportError as exc:  # the plugin only activates with it installed; a broken build lands here
             raise spec.EngineError(f"llama-cpp-python cannot be imported: {exc}") from exc
-        threads = settings["n_threads"] or os.cpu_count() or 1
+        threads = settings["n_threads"] or spec.usable_cores()
         self.role = role
         self.reranker = role == "reranker"
         name = os.path.basename(path)

@@ -65,12 +65,7 @@ class Settings:
 
 
 def _threads(n: int) -> int:
-    if n > 0:
-        return n
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return n if n > 0 else spec.usable_cores()
 
 
 def _redact(text: str, *places: str) -> str:

@@ -12,7 +12,6 @@ request's length limit (audio.py), and never written anywhere.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -83,8 +82,8 @@ class Cancelled(Exception):
 
 
 def threads(setting: int) -> int:
-    """CPU threads for CTranslate2: the setting, or every core up to four."""
-    return setting or min(4, os.cpu_count() or 1)
+    """CPU threads for CTranslate2: the setting, or every core this process may run on, up to four."""
+    return setting or min(4, spec.usable_cores())
 
 
 def load_model(path: str, settings: dict[str, Any]) -> Any:
