@@ -42,10 +42,11 @@ SHARED_ENVIRONMENT = frozenset({"test_cli.py", "test_cli_catalog.py", "test_cli_
                                 "test_openwebui.py", "test_plugins.py", "test_speech.py"})
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``--dist loadgroup`` each file is a group (its module servers start once, on one
-    worker), the files of SHARED_ENVIRONMENT together one group."""
-    if config.getoption("dist", default="no") != "loadgroup":
+    worker, and its tests run in order), the files of SHARED_ENVIRONMENT together one group."""
+    if getattr(config.option, "dist", "no") != "loadgroup" and not getattr(config.option, "loadgroup", False):
         return
     for item in items:
         name = item.path.name
