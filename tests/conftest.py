@@ -36,21 +36,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 #: Test files that install packages into this interpreter's environment or remove them (pip,
-#: directly or through a documented command): under pytest-xdist they run one after another on
-#: one worker, as one group.
+#: directly or through a documented command): under pytest-xdist (README: ``-n 2 --dist
+#: loadfile``, a file to a worker) they take turns, one file at a time (environment_turn).
 SHARED_ENVIRONMENT = frozenset({"test_cli.py", "test_cli_catalog.py", "test_cli_progress.py", "test_docs.py",
                                 "test_openwebui.py", "test_plugins.py", "test_speech.py"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` each file is a group (its module servers start once, on one
-    worker, and its tests run in order), the files of SHARED_ENVIRONMENT together one group."""
-    if getattr(config.option, "dist", "no") != "loadgroup" and not getattr(config.option, "loadgroup", False):
+@pytest.fixture(scope="module", autouse=True)
+def environment_turn(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A file of SHARED_ENVIRONMENT holds a lock shared by the run's workers (in the folder
+    above each worker's own temporary folder) from its first test to its last."""
+    if request.path.name not in SHARED_ENVIRONMENT or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
         return
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("environment" if name in SHARED_ENVIRONMENT else name))
+    import fcntl
+
+    with open(tmp_path_factory.getbasetemp().parent / "environment.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def sse_events(server: Any, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:

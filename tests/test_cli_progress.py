@@ -57,7 +57,9 @@ def s(module_server: Any, index: dict[str, str]) -> LocalmServer:
 
 def terminal(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> tuple[str, int]:
     """Run ``localm ARGS`` on a pseudo-terminal; everything it drew, and its exit status."""
-    full = {k: v for k, v in os.environ.items() if k != "LOCALM_API_KEY"}
+    # the pseudo-terminal's size is the size: a COLUMNS or LINES inherited (pytest-xdist's
+    # workers have 80 and 24) would override it
+    full = {k: v for k, v in os.environ.items() if k not in ("LOCALM_API_KEY", "COLUMNS", "LINES")}
     full.update(TERM="xterm", **STORE_ENV, **(env or {}))
     child = pexpect.spawn(sys.executable, ["-m", "localm.kernel", "--data-dir", str(data_dir), *args], env=full,
                           encoding="utf-8", timeout=180, dimensions=(40, 120), preexec_fn=sigint_default)
