@@ -100,6 +100,12 @@ def test_keys_through_a_running_server(server: Any) -> None:
 
 def test_plugin_command_from_a_manifest(tmp_path: Path) -> None:
     d = tmp_path / "data"
+
+    def cli(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        # each command in a fresh interpreter: what pip removed is gone there, while this
+        # worker may have imported humanize for an earlier test (an in-process server's hello)
+        return LocalmServer(data_dir, env=STORE_ENV).cli(*args, process=True)
+
     cli(d, "plugin", "install", "hello")
     subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "humanize"], capture_output=True)
     # a plugin command that cannot load leaves --help working and says why when run
