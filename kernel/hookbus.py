@@ -6,6 +6,11 @@ the bus orders a hook's implementations (the manifest's ``hook_priority``, else 
 the ones that are coroutines, and attributes a failure to its plugin: the plugin's
 recorded error, and a 500 that names it. A function marked as a hook that no hookspec
 names (``chat_inlett``) fails the plugin's start (:meth:`HookBus.register`).
+
+A plugin may declare hooks of its own (functions in its module marked ``@sdk.hookspec``,
+named after the plugin): they join localm's hookspecs when the plugin registers, so the
+plugins that require it implement them, checked as localm's own are, and the declaring
+plugin calls them with ``host.run_hook`` (:meth:`HookBus.declare`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import difflib
 import inspect
 import logging
 from typing import Any, Callable, Mapping
+
+import types
 
 import pluggy
 
@@ -80,19 +87,54 @@ class HookBus:
         self.pm.add_hookspecs(hookspecs)
         self._impl_cache: dict[str, tuple[int, list[HookImpl]]] = {}
         self._version = 0  # bumped whenever the set of active plugins or their order changes
+        #: hooks plugins declared: hook name -> the id of the plugin that declared it
+        self.declared: dict[str, str] = {}
 
     def changed(self) -> None:
         """The active set or a priority changed: every hook's order is read again."""
         self._version += 1
 
     def register(self, p: Plugin, module: Any) -> None:
-        """Register ``p``'s module, refusing one that marks a function no hook is called by."""
+        """Register ``p``'s module (first the hooks it declares), refusing one that marks a
+        function no hook is called by."""
+        self.declare(p, module)
         self.pm.register(module, name=p.name)
         try:
             self.check_names(p)
         except Exception:
             self.unregister(p.name)
             raise
+
+    def declare(self, p: Plugin, module: Any) -> list[str]:
+        """Add the hooks ``p``'s module declares (its functions marked ``@sdk.hookspec``) to
+        the hookspecs; their names. Each must start with the plugin's id and an underscore
+        (``rag_documents_added`` for the rag plugin), so two plugins never declare one name
+        and none is mistaken for localm's own. A plugin started again (refresh, enable)
+        declares its hooks anew: the latest arguments are the ones checked."""
+        found = {name: function for name in dir(module)
+                 if self.pm.parse_hookspec_opts(module, name) is not None
+                 and callable(function := getattr(module, name))}
+        prefix = p.name.replace("-", "_") + "_"
+        for name in sorted(found):
+            owner = self.declared.get(name)
+            caller = getattr(self.pm.hook, name, None)
+            if not name.startswith(prefix):
+                raise LocalmError(500, f"the hook {name} it declares must be named after the plugin: "
+                                       f"{prefix}{name}, say")
+            if owner is None and caller is not None and caller.spec is not None:
+                raise LocalmError(500, f"the hook {name} it declares is already a hook of localm")
+            if owner not in (None, p.name):
+                raise LocalmError(500, f"the hook {name} it declares is declared by the {owner} plugin")
+        if not found:
+            return []
+        for name in found:
+            caller = getattr(self.pm.hook, name, None)
+            if caller is not None and self.declared.get(name) == p.name:
+                caller.spec = None  # declared again by its plugin: the new arguments replace the old
+        self.pm.add_hookspecs(types.SimpleNamespace(**found))
+        for name in found:
+            self.declared[name] = p.name
+        return sorted(found)
 
     def unregister(self, name: str) -> None:
         if self.pm.has_plugin(name):
@@ -178,4 +220,5 @@ class HookBus:
             near = difflib.get_close_matches(name, known, n=1)
             parts.append(f"{name} (did you mean {near[0]}?)" if near else name)
         raise LocalmError(500, f"{', '.join(parts)} {'is no hook' if len(parts) == 1 else 'are no hooks'} of "
-                               "localm: see docs/plugins.md for the hooks and their names")
+                               "localm or of an active plugin: see docs/plugins.md for the hooks and their "
+                               "names (a hook another plugin declares needs that plugin under requires)")

@@ -116,6 +116,7 @@ class PluginHost:
         self.only = set(only) if only is not None else None
         self._lock = asyncio.Lock()
         self._contexts: dict[str, PluginContext] = {}
+        self._offline: set[str] = set()  # the plugins load_offline is loading now
         #: installers active plugins registered (register_installers), by plugin
         self._installers: dict[str, list[tuple[str, Callable[..., Any]]]] = {}
         self._offline_installers: list[tuple[str, str, Callable[..., Any]]] | None = None
@@ -320,7 +321,21 @@ class PluginHost:
     def load_offline(self, p: Plugin) -> Any:
         """For a process whose plugins are not running (the CLI): import ``p``, register its
         hooks and declare its settings, without starting it, so one of its registration hooks
-        (commands, model kinds, installers) can be called with ``hooks.call_sync``. Its module."""
+        (commands, model kinds, installers) can be called with ``hooks.call_sync``. Its module.
+        The plugins it requires are loaded first, so the hooks they declare are known."""
+        if self.hooks.has_plugin(p.name) or p.name in self._offline:
+            return p.module
+        self._offline.add(p.name)  # a requires cycle loads each plugin once
+        try:
+            for name in (p.manifest.requires if p.manifest else ()):
+                dep = self.plugins.get(name)
+                if dep is not None and dep.installed and dep.manifest is not None:
+                    try:
+                        self.load_offline(dep)
+                    except Exception as exc:  # the plugin itself fails below if it needed the hooks
+                        log.warning("plugin %s: %s, which it requires, did not load: %s", p.name, name, exc)
+        finally:
+            self._offline.discard(p.name)
         if p.module is None:
             p.module = import_plugin(p)
         if not self.hooks.has_plugin(p.name):

@@ -30,7 +30,7 @@ from localm.kernel.auth import Principal
 from localm.kernel.client import ServerClient, ServerError, connect, server
 from localm.kernel.errors import LocalmError
 from localm.kernel.host import Host
-from localm.kernel.hookspecs import hookimpl
+from localm.kernel.hookspecs import hookimpl, hookspec
 from localm.kernel.jobs import JobCancelled, JobContext
 from localm.kernel.logs import annotate
 from localm.kernel.models import ModelEntry, ModelFormat, ModelSource, model_id
@@ -64,7 +64,7 @@ def service_of(request: Request) -> Any:
 
 
 __all__ = [
-    "hookimpl",
+    "hookimpl", "hookspec",
     # routes
     "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "EventStream", "sse",
     "caller", "Principal", "host_of", "plugin_of", "service_of",

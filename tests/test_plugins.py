@@ -312,6 +312,92 @@ def test_a_misspelt_hook_fails_the_plugin_with_the_name_it_meant(server: Any, tm
     assert owner.get("/api/plugins").status_code == 200  # the rest serves
 
 
+def _plugin(folder: Path, manifest: str, module: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "plugin.toml").write_text(manifest)
+    name = next(line.split('"')[1] for line in manifest.splitlines() if line.startswith("entry"))
+    (folder / f"{name}.py").write_text(module)
+    return folder
+
+
+BELL = '''from localm import sdk
+
+
+@sdk.hookspec
+def bell_rang(sound):
+    """Called each time the bell rings; return what you heard."""
+
+
+@sdk.post("/bell/ring")
+async def ring(request: sdk.Request) -> dict:
+    heard = await sdk.host_of(request).run_hook("bell_rang", sound="ding")
+    return {"heard": [[name, value] for name, value in heard]}
+
+
+@sdk.hookimpl
+def register_routes(register):
+    register(ring)
+'''
+
+EAR = '''import click
+
+from localm import sdk
+
+
+@sdk.hookimpl
+def bell_rang(sound):
+    return sound.upper()
+
+
+@click.command("ear", help="Say what the ear hears.")
+def ear():
+    click.echo("listening")
+
+
+@sdk.hookimpl
+def register_commands(register):
+    register(ear)
+'''
+
+
+def test_a_plugin_declares_hooks_that_the_plugins_requiring_it_implement(server: Any, tmp_path: Path) -> None:
+    s = server()
+    owner = s.owner()
+    bell = _plugin(tmp_path / "bell", 'id = "bell"\nversion = "1"\nentry = "bell"\nscopes = ["bell"]\n', BELL)
+    ear = _plugin(tmp_path / "ear", 'id = "ear"\nversion = "1"\nentry = "ear"\nrequires = ["bell"]\n'
+                                    'commands = ["ear"]\n', EAR)
+    for folder in (bell, ear):
+        assert owner.post("/api/plugins/install-external", json={"source": str(folder)}).status_code == 200
+    assert state(owner, "ear")["active"], state(owner, "ear")
+    assert owner.post("/bell/ring").json() == {"heard": [["ear", "DING"]]}
+    # started again, the bell declares its hook anew; the ear still hears it
+    owner.post("/api/plugins/bell/disable")
+    assert not state(owner, "ear")["active"]
+    owner.post("/api/plugins/bell/enable")
+    assert state(owner, "ear")["active"] and owner.post("/bell/ring").json() == {"heard": [["ear", "DING"]]}
+    # the CLI loads a plugin's commands after the plugins it requires: their hooks are known there
+    assert s.cli("ear", process=True).stdout.strip() == "listening"
+
+    # a misspelt declared hook, one with an argument the declaration lacks, and declarations
+    # that are not named after their plugin each stop only their own plugin
+    wrong = {
+        "deaf": ("@sdk.hookimpl\ndef bell_rangg(sound):\n    return sound\n",
+                 "bell_rangg (did you mean bell_rang?) is no hook of localm or of an active plugin"),
+        "loud": ("@sdk.hookimpl\ndef bell_rang(sound, volume):\n    return sound\n", "volume"),
+        "thief": ("@sdk.hookspec\ndef chat_inlet(request):\n    pass\n",
+                  "the hook chat_inlet it declares must be named after the plugin: thief_chat_inlet"),
+        "copycat": ("@sdk.hookspec\ndef bell_rang(sound):\n    pass\n",
+                    "the hook bell_rang it declares must be named after the plugin"),
+    }
+    for name, (code, error) in wrong.items():
+        folder = _plugin(tmp_path / name, f'id = "{name}"\nversion = "1"\nentry = "{name}"\nrequires = ["bell"]\n',
+                         "from localm import sdk\n\n\n" + code)
+        assert owner.post("/api/plugins/install-external", json={"source": str(folder)}).status_code == 200
+        p = state(owner, name)
+        assert not p["active"] and error in p["error"], p
+    assert owner.post("/bell/ring").json() == {"heard": [["ear", "DING"]]}
+
+
 def test_a_route_whose_scope_no_manifest_lists_fails_its_plugin(server: Any, tmp_path: Path) -> None:
     s = server()
     owner = s.owner()

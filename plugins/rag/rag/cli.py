@@ -4,6 +4,7 @@ one started in this process on the data dir when none runs (``sdk.server``)."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import click
@@ -13,7 +14,7 @@ from localm import sdk
 def _follow(server: sdk.ServerClient, job_id: str, label: str) -> dict[str, Any]:
     """Follow a job's events with a progress bar; its result, or its failure as an error."""
     end: dict[str, Any] = {}
-    with click.progressbar(length=1000, label=label, show_eta=False, file=click.get_text_stream("stderr"),
+    with click.progressbar(length=1000, label=label, show_eta=False, file=sys.stderr,
                            item_show_func=lambda item: item) as bar:
         shown = 0
         for event in server.events(f"/api/jobs/{job_id}/events"):
