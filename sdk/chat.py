@@ -73,6 +73,11 @@ class ChatRequest:
     body: dict[str, Any]
     origins: Origins = attrs.field(factory=Origins)
     extra: dict[str, Any] = attrs.field(factory=dict)
+    #: the registry entry for ``body["model"]`` when the surface already resolved it (Ollama's
+    #: names); None: the chat service resolves the model. Either way it is resolved once per
+    #: request (again only when an inlet hook names another model). In ``Generation.request``:
+    #: the entry of the model that answers.
+    entry: Any = None
     model: str | None = None
     stream: bool = False
     messages: list[dict[str, Any]] | None = None

@@ -4,6 +4,7 @@ and disabling the plugin takes it away from all of them at once."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,3 +54,40 @@ def test_an_inlet_hook_reaches_every_surface(module_server: Callable[..., Any]) 
     for surface in SURFACES:
         assert hooked[surface] - plain[surface] >= 20, (surface, hooked, plain)
     assert httpx.get(s.url + "/inletprobe/seen").status_code == 404
+
+
+def test_each_surface_resolves_the_model_once_per_request(module_server: Callable[..., Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The surface that reads a model name (Ollama's tags) hands its registry entry to the chat
+    service, which resolves the model itself only when no surface did."""
+    from localm.kernel.manager import ModelManager
+
+    s = module_server(plugins=["chat", "llamacpp", "ollama", "anthropic", "responses"])
+    calls: list[str | None] = []
+    resolve = ModelManager.resolve
+
+    def counted(self: ModelManager, name: str | None) -> Any:
+        if not sys._getframe(1).f_code.co_filename.endswith("manager.py"):  # not the manager's own lookups by id
+            calls.append(name)
+        return resolve(self, name)
+
+    monkeypatch.setattr(ModelManager, "resolve", counted)
+    url = s.url
+    chat = openai.OpenAI(base_url=url + "/v1", api_key="open", timeout=120)
+    asks = {
+        "openai.chat": lambda: chat.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1),
+        "openai.completions": lambda: chat.completions.create(model=MODEL, prompt="Hi", max_tokens=1),
+        "ollama.chat": lambda: ollama.Client(host=url, timeout=120).chat(
+            model=MODEL, messages=ASK, options={"num_predict": 1}),
+        "ollama.generate": lambda: ollama.Client(host=url, timeout=120).generate(
+            model=MODEL, prompt="Hi", options={"num_predict": 1}),
+        "anthropic": lambda: anthropic.Anthropic(base_url=url, api_key="open", timeout=120).messages.create(
+            model=MODEL, messages=ASK, max_tokens=1),
+        "responses": lambda: chat.responses.create(model=MODEL, input="Say hi.", max_output_tokens=16),
+    }
+    counts = {}
+    for surface, ask in asks.items():
+        calls.clear()
+        ask()
+        counts[surface] = len(calls)
+    assert counts == dict.fromkeys(asks, 1), counts

@@ -272,10 +272,11 @@ def _asked(body: ChatRequest | dict[str, Any], extra: dict[str, Any] | None) -> 
     return attrs.evolve(body, extra={**body.extra, **extra}) if extra else body
 
 
-def _read(asked: ChatRequest, common: Common, options: Options,
+def _read(asked: ChatRequest, common: Common, options: Options, found: Any,
           messages: list[dict[str, Any]] | None = None) -> ChatRequest:
     """The request with what the readers made of it (after the inlet hooks) filled in."""
-    return attrs.evolve(asked, model=common.model, stream=common.stream, messages=messages,
+    entry = None if isinstance(found, sdk.LocalmError) else found
+    return attrs.evolve(asked, model=common.model, entry=entry, stream=common.stream, messages=messages,
                         sampling=common.sampling, stops=common.stops, tools=options.tools, format=options.fmt,
                         logprobs=options.logprobs, thinking=options.thinking)
 
@@ -441,10 +442,10 @@ class ChatService:
             return read_common(r), read_messages(r), read_options(r, "chat")
 
         asked = _asked(body, extra)
-        (common, messages, options), chain, steering, headers = await self._admit(
+        (common, messages, options), chain, steering, headers, found = await self._admit(
             "chat", asked, read, route=route, request=request, report=report, ignored=ignored,
             request_headers=request_headers)
-        asked = _read(asked, common, options, messages)
+        asked = _read(asked, common, options, found, messages)
 
         budget = self._budget()
 
@@ -469,7 +470,7 @@ class ChatService:
             headers["X-Localm-Context-Compacted"] = "1"
             return prompt, opened
 
-        generation = await self._prepare(asked, common, options, render, headers, received, chain, steering,
+        generation = await self._prepare(asked, found, common, options, render, headers, received, chain, steering,
                                          fit=fit if compact else None)
         generation.messages = compacted[0] if compacted else messages
         return generation
@@ -497,15 +498,15 @@ class ChatService:
             return common, prompt_text, read_options(r, "completions")
 
         asked = _asked(body, extra)
-        (common, prompt_text, options), chain, steering, headers = await self._admit(
+        (common, prompt_text, options), chain, steering, headers, found = await self._admit(
             "completions", asked, read, route=route, request=request, report=report, ignored=ignored,
             request_headers=request_headers)
 
         def render(engine: Any) -> tuple[list[int], bool]:
             return engine.tokenize(prompt_text, add_special=options.add_special), False
 
-        return await self._prepare(_read(asked, common, options), common, options, render, headers, received, chain,
-                                   steering)
+        return await self._prepare(_read(asked, common, options, found), found, common, options, render, headers,
+                                   received, chain, steering)
 
     async def embed(self, model: str | None, texts: list[str]) -> tuple[Any, list[list[float]], int]:
         """The registry entry, one normalised vector per text, and the tokens they took. No
@@ -565,10 +566,11 @@ class ChatService:
     # --- the steps of chat and complete -------------------------------------------------------
     async def _admit(self, kind: str, asked: ChatRequest, read: Any, *, route: str, request: Any,
                      report: bool | None, ignored: list[str] | None,
-                     request_headers: Any) -> tuple[Any, hooks.Chain, Interventions, dict[str, str]]:
+                     request_headers: Any) -> tuple[Any, hooks.Chain, Interventions, dict[str, str], Any]:
         """Read the client's request (``read`` returns common fields first, options last), run
-        the inlet hooks and read what they left, ask for steering, then check the fields
-        against what was claimed: (what ``read`` returned, the hooks, the steering, headers)."""
+        the inlet hooks and read what they left, resolve the model, ask for steering, then
+        check the fields against what was claimed: (what ``read`` returned, the hooks, the
+        steering, headers, the model's registry entry or the refusal to raise for it)."""
         body = asked.body
         r = Reader(body, asked.origins)
         parsed = read(r)
@@ -584,10 +586,22 @@ class ChatService:
         if changed_by:
             parsed, media = checked
         chain.media = media
-        steering = await self._interventions(hooked, parsed[0])
+        found = self._resolve(asked, parsed[0].model)
+        steering = await self._interventions(hooked, found)
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
         self._check_stream(parsed[-1], parsed[0], chain, asked.origins)
-        return parsed, chain, steering, headers
+        return parsed, chain, steering, headers, found
+
+    def _resolve(self, asked: ChatRequest, model: str | None) -> Any:
+        """The registry entry for ``model``, the one request's resolve: the surface's own when
+        it resolved this model; an unknown model's refusal is returned, to be raised where a
+        generation is prepared (after the fields are checked, as before)."""
+        if asked.entry is not None and model == asked.entry.id:
+            return asked.entry
+        try:
+            return self.host.models.resolve(model)
+        except sdk.LocalmError as exc:
+            return exc
 
     @staticmethod
     def _hooked(body: dict[str, Any], extra: dict[str, Any] | None, kind: str, chain: hooks.Chain) -> dict[str, Any]:
@@ -622,12 +636,10 @@ class ChatService:
         common = attrs.evolve(out[0], stream=before.stream, include_usage=before.include_usage)
         return (common, *out[1:]), r.media
 
-    async def _interventions(self, body: dict[str, Any], common: Common) -> Interventions:
+    async def _interventions(self, body: dict[str, Any], entry: Any) -> Interventions:
         """Ask the forward_interventions hook for this request's steering (before any load)."""
         collected = Interventions()
-        try:
-            entry = self.host.models.resolve(common.model)
-        except sdk.LocalmError:
+        if isinstance(entry, sdk.LocalmError):
             return collected  # an unknown model: refused as such when the generation is prepared
         try:
             engine = self.host.models.engine_name(entry)
@@ -692,13 +704,14 @@ class ChatService:
                           common=common, options=options, headers=headers, model=shown, received=received,
                           chain=chain, request=chat_request, extra=shared.fields)
 
-    async def _prepare(self, chat_request: ChatRequest, common: Common, options: Options, render: Any,
+    async def _prepare(self, chat_request: ChatRequest, entry: Any, common: Common, options: Options, render: Any,
                        headers: dict[str, str], received: float, chain: hooks.Chain, steering: Interventions,
                        fit: Any = None) -> Generation:
         host = self.host
         asked = common.sampling.max_tokens  # the client's own cap, checked against the window
         common = self._capped(common, headers)
-        entry = host.models.resolve(common.model)
+        if isinstance(entry, sdk.LocalmError):
+            raise entry
         sdk.annotate(model=entry.id, tokens_in=None)  # not the tokens an inlet hook's embedding read
         self.check_chat_model(entry)  # refused before it loads (and unloads another model)
         hold = await host.models.hold(entry.id)

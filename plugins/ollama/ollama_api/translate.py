@@ -263,7 +263,7 @@ def chat_request(body: dict[str, Any], entry: Any, name: str, ignored: list[str]
     read_logprobs(body, out, raw=False)
     read_options(body.get("options"), out, ignored)
     ignored[:0] = [key for key, value in body.items() if key not in CHAT_FIELDS and present(value)]
-    return ChatRequest(body=out, origins=Origins(names), extra=unread(body, CHAT_FIELDS))
+    return ChatRequest(body=out, origins=Origins(names), extra=unread(body, CHAT_FIELDS), entry=entry)
 
 
 def generate_request(body: dict[str, Any], entry: Any, name: str, ignored: list[str]) -> tuple[ChatRequest, bool]:
@@ -312,4 +312,4 @@ def generate_request(body: dict[str, Any], entry: Any, name: str, ignored: list[
         read_logprobs(body, out, raw=False)
         read_options(body.get("options"), out, ignored)
     ignored[:0] = [key for key, value in body.items() if key not in GENERATE_FIELDS and present(value)]
-    return ChatRequest(body=out, origins=Origins(names), extra=unread(body, GENERATE_FIELDS)), raw
+    return ChatRequest(body=out, origins=Origins(names), extra=unread(body, GENERATE_FIELDS), entry=entry), raw
