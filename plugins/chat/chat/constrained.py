@@ -56,7 +56,7 @@ from typing import Any
 
 import attrs
 from localm import sdk
-from localm.sdk.chat import Origins
+from localm.sdk.chat import MAX_GRAMMAR_BYTES, MAX_TOOLS, Origins
 
 #: The OpenAI routes' names: every place as OpenAI spells it.
 OPENAI = Origins()
@@ -73,10 +73,9 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_DEPTH = 32
 MAX_PROPERTIES = 256
-MAX_TOOLS = 64
+# MAX_TOOLS and MAX_GRAMMAR_BYTES are the SDK's (localm.sdk.chat), so the OpenAI schema states them too
 #: a tool list whose grammar is larger than this takes any JSON object as arguments
 MAX_TOOLS_GRAMMAR_BYTES = 1024 * 1024
-MAX_GRAMMAR_BYTES = 1024 * 1024
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 SUPPORTED = frozenset({

@@ -8,20 +8,9 @@ from typing import Any
 import attrs
 from localm import sdk
 from localm.sdk import engines as spec
-from localm.sdk.chat import Origins
-
-MAX_STOPS = 16
-MAX_STOP_CHARS = 1024
-#: The most messages one request may hold (past it: 400 limit_exceeded, before any is read).
-MAX_MESSAGES = 10_000
-
-
-class Invalid(sdk.LocalmError):
-    """A field of the wrong type: 422 with one sentence per field and the structured list."""
-
-    def __init__(self, errors: list[dict[str, str]]) -> None:
-        detail = " ".join(f"{e['key']}: {e['message']}." for e in errors)
-        super().__init__(422, detail, errors=errors)
+from localm.sdk.chat import EFFORTS, MAX_MESSAGES, MAX_NUM_CTX, MAX_STOP_CHARS, MAX_STOPS, Origins  # noqa: F401
+from localm.sdk.fields import Invalid  # noqa: F401  (the 422 the readers raise)
+from localm.sdk.fields import Reader as _FieldReader
 
 
 @attrs.frozen
@@ -38,46 +27,15 @@ class Common:
     background: bool = False
 
 
-class Reader:
-    """Collects type errors across fields, so one 422 names them all, each field named as the
-    client sent it (``origins``)."""
+class Reader(_FieldReader):
+    """The SDK's field reader (``localm.sdk.fields.Reader``: one 422 naming every field of the
+    wrong type), noting where the messages hold media."""
 
     def __init__(self, body: Any, origins: Origins | None = None) -> None:
-        if not isinstance(body, dict):
-            raise Invalid([{"key": "body", "message": "must be a JSON object"}])
-        self.body = body
-        self.origins = origins if origins is not None else Origins()
-        self.errors: list[dict[str, str]] = []
+        super().__init__(body, origins)
         #: where the messages hold image or audio parts: a chat plugin may turn them into text
         #: (a transcript), and what is left is refused once the model is known
         self.media: list[str] = []
-
-    def name(self, *path: str | int) -> str:
-        """The client's name for a place of the chat body (``messages[3].content`` → ``input[2].content``)."""
-        return self.origins.name(*path)
-
-    def error(self, message: str, *path: str | int) -> None:
-        """Note a field of the wrong type, for the 422."""
-        self.errors.append({"key": self.name(*path), "message": message})
-
-    def get(self, key: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
-        value = self.body.get(key, default)
-        if value is None:
-            return default
-        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            self.error(f"must be {what}", key)
-            return default
-        return value
-
-    def number(self, key: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
-        value = self.get(key, (int, float), "a number", default)
-        if value is not default and ((lo is not None and value < lo) or (hi is not None and value > hi)):
-            raise sdk.LocalmError(400, f"{self.name(key)} must be between {lo} and {hi}, got {value}")
-        return float(value)
-
-    def done(self) -> None:
-        if self.errors:
-            raise Invalid(self.errors)
 
 
 def read_common(r: Reader) -> Common:
@@ -135,8 +93,6 @@ def read_common(r: Reader) -> Common:
                   cache_prompt=cache_prompt, num_ctx=num_ctx, background=background_task(r.body))
 
 
-#: The largest window a request may ask for with num_ctx (the engine opens at most its model's own).
-MAX_NUM_CTX = 1 << 24
 #: Open WebUI's own background-task prompts (the DEFAULT_*_PROMPT_TEMPLATE of open_webui/config.py),
 #: each known by the words its task opens with, as older and newer releases word them. Its RAG
 #: template opens with "### Task:" too, but wraps a person's question: it is none of these.
@@ -274,7 +230,6 @@ def _read_calls(r: Reader, i: int, calls: Any) -> list[dict[str, Any]]:
     return out
 
 
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @attrs.frozen

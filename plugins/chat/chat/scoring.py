@@ -10,6 +10,9 @@ generated:
   log probability is ``z - logsumexp(z over the candidates)``, in float64;
 - the reply's text is the most probable candidate; ``finish_reason`` is ``"length"``.
 
+Here the request is read and the candidates scored (``host.chat.score`` answers with
+``localm.sdk.chat.Scores``); the openai plugin renders them in OpenAI's shapes.
+
 What is reported:
 
 - completions: ``logprobs`` is OpenAI's legacy object (``tokens``, ``token_logprobs``,
@@ -43,11 +46,11 @@ is echoed.
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
 from localm import sdk
+from localm.sdk.chat import Candidate, Scores
 
 from . import fields, pipeline
 from .request import Reader, read_common, read_messages, read_options
@@ -231,23 +234,17 @@ def _rule(what: str) -> sdk.LocalmError:
 # --- answering ---------------------------------------------------------------------------------
 
 class _Tokens:
-    """A token's key and bytes, as reported."""
+    """A scored token as reported: its key (its text, or token_id:<id>), text and bytes."""
 
     def __init__(self, engine: Any, as_ids: bool) -> None:
         self.engine = engine
         self.as_ids = as_ids
 
-    def bytes(self, token: int) -> bytes:
-        return bytes(self.engine.token_bytes(token))
-
-    def text(self, token: int) -> str:
-        return self.bytes(token).decode("utf-8", errors="replace")
-
-    def key(self, token: int) -> str:
-        return f"token_id:{token}" if self.as_ids else self.text(token)
-
-    def entry(self, token: int, logprob: float) -> dict[str, Any]:
-        return {"token": self.key(token), "logprob": logprob, "bytes": list(self.bytes(token))}
+    def candidate(self, token: int, logprob: float) -> Candidate:
+        raw = bytes(self.engine.token_bytes(token))
+        text = raw.decode("utf-8", errors="replace")
+        return Candidate(id=token, key=f"token_id:{token}" if self.as_ids else text, text=text, bytes=tuple(raw),
+                         logprob=logprob)
 
 
 class _AsWritten:
@@ -279,14 +276,14 @@ def _prompt_tokens(engine: Any, ask: _Ask) -> list[list[int]]:
     return prompts
 
 
-async def serve(request: Any, route: str, body: Any) -> sdk.Response:
-    """Answer a scoring request on ``route`` ("completions" or "chat")."""
-    from . import fingerprint  # the package imports this module first
+async def score(host: Any, request: Any, route: str, body: Any, received: float | None = None) -> Scores:
+    """Answer a scoring request on ``route`` ("completions" or "chat"): the scores, which the
+    OpenAI surface renders (its choices, logprobs objects and usage)."""
+    from .service import fingerprint  # the service imports this module first
 
-    received = time.perf_counter()
+    received = time.perf_counter() if received is None else received
     ask = _Ask(route, body)
-    headers = fields.check(route, ask.body, request.headers, used=USED[route])
-    host = sdk.host_of(request)
+    headers = fields.check(route, ask.body, request.headers if request is not None else {}, used=USED[route])
     entry = host.models.resolve(ask.model)
     if entry.role in ("stt", "tts"):  # a speech model has no tokens to score
         host.chat.check_chat_model(entry)
@@ -306,49 +303,14 @@ async def serve(request: Any, route: str, body: Any) -> sdk.Response:
             logits = await engine.next_token_logits(ids)
             scored.append((ids, distribution(logits, ask.allowed, ask.temperature, report)))
         tokens = _Tokens(engine, ask.as_ids)
+        positions = tuple(tuple(tokens.candidate(token, logprob) for token, logprob in best) for _, best in scored)
         system_fingerprint = fingerprint(entry, engine)
         window = engine.capabilities.context_window
-        if route == "completions":
-            choices = [_completion_choice(i, text, best, tokens, ask)
-                       for i, (text, (_, best)) in enumerate(zip(ask.prompts, scored))]
-        else:
-            choices = [_chat_choice(scored[0][1], tokens, ask)]
     headers.update({"X-Localm-Steering": "none", "X-miLLM-Steering": "none"})
     if ask.seed is not None:  # accepted and echoed; scoring draws nothing
         headers.update({name: f'{ask.seed};scope="request"' for name in ("X-Localm-Seed", "X-miLLM-Seed")})
-    prompt_tokens = sum(len(ids) for ids, _ in scored)
-    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": len(scored),
-                             "total_tokens": prompt_tokens + len(scored)}
-    if route == "chat":
-        usage.update(ttft_ms=round((time.perf_counter() - received) * 1000, 1), tokens_per_sec=None,
-                     context_capacity=window)
     shown = ask.model if ask.model not in (None, "", "localm") else entry.id
-    return sdk.Response({"id": ("cmpl-" if route == "completions" else "chatcmpl-") + secrets.token_hex(12),
-                         "object": "text_completion" if route == "completions" else "chat.completion",
-                         "created": int(time.time()), "model": shown, "system_fingerprint": system_fingerprint,
-                         "choices": choices, "usage": usage}, headers=headers)
-
-
-def _completion_choice(index: int, prompt: str, best: list[tuple[int, float]], tokens: _Tokens,
-                       ask: _Ask) -> dict[str, Any]:
-    token, logprob = best[0]
-    logprobs = None
-    if ask.top is not None:
-        top: dict[str, float] = {}
-        for other, value in best:
-            top.setdefault(tokens.key(other), value)  # the same text twice: the more likely one's entry
-        logprobs = {"tokens": [tokens.key(token)], "token_logprobs": [logprob], "top_logprobs": [top],
-                    "text_offset": [len(prompt)]}
-    return {"index": index, "text": tokens.text(token), "logprobs": logprobs, "finish_reason": "length",
-            "stop_sequence": None}
-
-
-def _chat_choice(best: list[tuple[int, float]], tokens: _Tokens, ask: _Ask) -> dict[str, Any]:
-    token, logprob = best[0]
-    logprobs = None
-    if ask.top is not None:
-        entry = tokens.entry(token, logprob)
-        entry["top_logprobs"] = [tokens.entry(t, v) for t, v in best[:ask.top]]
-        logprobs = {"content": [entry], "refusal": None}
-    return {"index": 0, "message": {"role": "assistant", "content": tokens.text(token)}, "logprobs": logprobs,
-            "finish_reason": "length", "stop_sequence": None}
+    return Scores(entry=entry, model=shown, fingerprint=system_fingerprint, headers=headers, positions=positions,
+                  prompts=tuple(ask.prompts) if route == "completions" else (), top=ask.top,
+                  prompt_tokens=sum(len(ids) for ids, _ in scored), context_capacity=window,
+                  ttft_ms=round((time.perf_counter() - received) * 1000, 1))

@@ -1,7 +1,7 @@
 """The chat service: one generation path for every surface.
 
-The chat plugin provides it to other plugins as ``host.chat``. A surface (the
-OpenAI routes here; the Ollama, Anthropic and Responses plugins) parses its own request
+The chat plugin provides it to other plugins as ``host.chat``. A surface (the OpenAI,
+Ollama, Anthropic and Responses plugins) parses its own request
 into an OpenAI chat-completions body, hands it to :meth:`ChatService.chat` as an
 ``sdk.chat.ChatRequest`` (the body, and the origins of its places in the client's request),
 or a prompt to :meth:`ChatService.complete`, and renders what the returned
@@ -40,9 +40,9 @@ from typing import Any
 import attrs
 from localm import sdk
 from localm.sdk import engines as spec
-from localm.sdk.chat import ChatRequest, Origins
+from localm.sdk.chat import ChatRequest, Origins, Scores
 
-from . import compaction, constrained, fields, hooks, pipeline
+from . import compaction, constrained, fields, hooks, pipeline, scoring
 from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
@@ -278,7 +278,8 @@ def _read(asked: ChatRequest, common: Common, options: Options, found: Any,
     entry = None if isinstance(found, sdk.LocalmError) else found
     return attrs.evolve(asked, model=common.model, entry=entry, stream=common.stream, messages=messages,
                         sampling=common.sampling, stops=common.stops, tools=options.tools, format=options.fmt,
-                        logprobs=options.logprobs, thinking=options.thinking)
+                        logprobs=options.logprobs, thinking=options.thinking, include_usage=common.include_usage,
+                        token_ids=options.token_ids)
 
 
 @contextlib.contextmanager
@@ -406,6 +407,32 @@ class ChatService:
             what, does = found
             raise sdk.LocalmError(400, f"model {entry.id} is {what}: it {does} and does not chat",
                                   code="not_a_chat_model")
+
+    @staticmethod
+    def wants_scoring(body: Any) -> bool:
+        """Whether an OpenAI completions or chat-completions body (any JSON value) asks for
+        scoring mode rather than a generation: ``allowed_token_ids``, or log probabilities with
+        max_tokens 1 and no streaming (see scoring.py)."""
+        return scoring.wanted(body)
+
+    async def score(self, body: dict[str, Any], *, kind: str, request: Any = None,
+                    received: float | None = None) -> Scores:
+        """Answer a scoring request, an OpenAI ``kind`` body ("completions" or "chat"): each
+        prompt's next-token candidates, most likely first, and what the response reports
+        (sdk.chat.Scores). No chat hooks run and nothing is steered. ``request`` is the HTTP
+        request (its headers: the ignored-fields report and X-Localm-Strict). Refusals: 400
+        invalid_scoring_request (the scoring rule, an unknown token id, an empty prompt), 400
+        field_not_honoured (a steering or constraining field, an engine that cannot score),
+        500 non_finite_logits."""
+        return await scoring.score(self.host, request, kind, body, received)
+
+    @staticmethod
+    def check_fields(kind: str, body: dict[str, Any], headers: Any) -> dict[str, str]:
+        """For an OpenAI body of ``kind`` ("chat", "completions", "embeddings" or "rerank"), as the
+        client sent it: 400 field_not_honoured for an output-changing field the route cannot
+        honour, then the ignored-fields report's response headers (maybe none; X-Localm-Strict
+        refuses instead). ``chat`` and ``complete`` make this check themselves."""
+        return fields.check(kind, body, headers)
 
     @staticmethod
     def usage(outcome: pipeline.Outcome, *, timings: bool = True, capacity: bool = True) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The request bodies of /v1/chat/completions, /v1/completions, /v1/embeddings and /v1/rerank,
 as the OpenAPI document describes them (``body=`` on each route).
 
-The routes read their bodies themselves (request.py, fields.py, constrained.py, rerank.py):
-these models document that reading, its bounds and its refusals; they validate nothing.
+The bodies are read by the chat service (the chat plugin's readers, for chat and
+completions) and by rerank.py and the embeddings route here: these models document that
+reading, its bounds and its refusals (the SDK's, ``localm.sdk.chat``); they validate nothing.
 A field not listed here is reported in ``X-Localm-Ignored-Fields`` (or refused with
 ``X-Localm-Strict``, or with 400 ``field_not_honoured`` when it would change the output).
 """
@@ -12,9 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from localm import sdk
-
-from .constrained import MAX_GRAMMAR_BYTES, MAX_TOOLS
-from .request import EFFORTS, MAX_MESSAGES, MAX_NUM_CTX, MAX_STOP_CHARS, MAX_STOPS
+from localm.sdk.chat import EFFORTS, MAX_GRAMMAR_BYTES, MAX_MESSAGES, MAX_NUM_CTX, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS
 
 Meta = sdk.Meta
 
