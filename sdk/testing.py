@@ -14,6 +14,12 @@ imports (torch, llama.cpp) are paid once per test run instead of once per server
 as a real ``localm serve`` subprocess when the test is about the process (a test marked
 ``@pytest.mark.server_process``, or ``process=True``), when it is given serve arguments
 or an environment this process does not have, or when ``LOCALM_TEST_SERVER_PROCESS=1``.
+
+``localm_module_server`` is the same for a whole test module (one server shared by its
+tests), and three helpers need no fixture: ``offline_cli`` runs a CLI command against a
+data dir with no server, ``sse_events`` reads a streamed response's events, ``wait_job``
+waits for a server job to end. ``plugin_module`` imports a builtin plugin's module by the
+name the plugin host gives it, without starting the plugin.
 """
 
 from __future__ import annotations
@@ -329,6 +335,67 @@ def localm_server(tmp_path_factory: pytest.TempPathFactory,
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def localm_module_server(tmp_path_factory: pytest.TempPathFactory,
+                         request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalmServer]]:
+    """Start real servers shared by a test module's tests (stopped after its last test):
+    ``localm_module_server(prepare=None, **kwargs)`` takes ``localm_server``'s arguments, and
+    ``prepare(data_dir)`` is called on the fresh data dir before the server starts (keys,
+    config, plugins installed offline)."""
+    started: list[LocalmServer] = []
+
+    def start(*, prepare: Callable[[Path], Any] | None = None, data_dir: Path | None = None,
+              **kwargs: Any) -> LocalmServer:
+        d = data_dir or tmp_path_factory.mktemp("localm") / "data"
+        d.mkdir(parents=True, exist_ok=True)
+        if prepare is not None:
+            prepare(d)
+        kwargs.setdefault("process", wants_process(request))
+        server = LocalmServer(d, **kwargs).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def offline_cli(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run ``localm --data-dir DATA_DIR ARGS`` with no server running (as ``LocalmServer.cli``
+    runs it: in this process unless the command needs one) and return its stdout; an exit
+    status other than 0 fails the test with the command's output."""
+    result = LocalmServer(data_dir, env=env).cli(*args)
+    if result.returncode != 0:
+        raise AssertionError(f"localm {' '.join(map(str, args))} exited with {result.returncode}:\n"
+                             f"{result.stderr}{result.stdout}")
+    return result.stdout
+
+
+def sse_events(server: LocalmServer, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """POST ``body`` to ``path`` on ``server`` and yield each server-sent event's JSON, until
+    ``data: [DONE]`` or the end of the stream. It sends no credential (an open server); for a
+    keyed one, stream with ``server.client(key)``."""
+    with httpx.Client(base_url=server.url, timeout=120) as http, http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                return
+            if line.startswith("data: "):
+                yield json.loads(line[6:])
+
+
+def wait_job(client: httpx.Client, job_id: str, timeout: float = 300) -> dict[str, Any]:
+    """A server job's record (``GET /api/jobs/{job_id}``) once it has ended: done, failed or
+    cancelled; the test fails when it has not ended in ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/api/jobs/{job_id}").json()
+        if job["status"] in ("done", "failed", "cancelled"):
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not end in {timeout}s")
 
 
 def plugin_module(plugin: str, module: str = "") -> Any:

@@ -5,7 +5,8 @@ offline.
 
     from sae_fixtures import write_saelens_sae, unembedding_direction, tiny_random_llama
 
-(pytest puts tests/ on the import path, as for ``from conftest import ...``.)
+(pyproject.toml's ``pythonpath`` puts tests/ on the import path, for tests/ and
+plugins/<id>/tests/ alike.)
 
 Every writer takes explicit shapes and a seed, so a test's SAE is the same on every run.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata as md
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -135,11 +135,9 @@ def reference_model(path: str | os.PathLike) -> tuple[Any, Any]:
     import transformers
 
     path = Path(path)
-    engine = Path(__file__).resolve().parents[1] / "plugins" / "transformers" / "hf_engine.py"
-    spec = importlib.util.spec_from_file_location("localm_test_reference_hf", engine)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from localm.sdk.testing import plugin_module
+
+    module = plugin_module("transformers", "hf_engine")
     kwargs = {"gguf_file": path.name, "local_files_only": True}
     with getattr(module, "_quick_gguf_load", contextlib.nullcontext)():
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)

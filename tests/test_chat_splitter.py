@@ -3,25 +3,16 @@ fed token by token in every possible cut of the text."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from localm.sdk.testing import plugin_module
 
 
 def _pipeline() -> Any:
-    # the chat plugin's pipeline module, loaded from its file (it needs only the sdk at import)
-    name = "localm_test_chat_pipeline"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "plugins/chat/chat/pipeline.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    # the chat plugin's pipeline module, imported as the plugin host names it
+    return plugin_module("chat", "chat.pipeline")
 
 
 def split(text: str, step: int, **kwargs: Any) -> dict[str, Any]:

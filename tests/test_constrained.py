@@ -8,7 +8,6 @@ whole and refuse an invalid one. No model is loaded.
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.util
 import json
 import logging
 import re
@@ -22,22 +21,16 @@ import jsonschema
 import pytest
 
 from localm import sdk
+from localm.sdk.testing import plugin_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from json_schemas import EXAMPLES, MAX_TOKENS, RECURSIVE, SCHEMAS
 
 llguidance = pytest.importorskip("llguidance")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load() -> Any:
-    path = ROOT / "plugins" / "chat" / "chat" / "constrained.py"
-    spec = importlib.util.spec_from_file_location("localm_test_chat_constrained", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return plugin_module("chat", "chat.constrained")
 
 
 c = _load()

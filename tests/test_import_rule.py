@@ -1,4 +1,5 @@
-"""The one-way dependency rule: plugins import localm.sdk, never localm.kernel or another plugin."""
+"""The one-way dependency rule: plugins import localm.sdk, never localm.kernel or another plugin.
+A plugin's tests (its tests/ folder) are not the plugin: they may import anything."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def plugin_dirs() -> list[Path]:
 def violations(plugin_dir: Path, others: set[str]) -> list[str]:
     found = []
     for path in plugin_dir.rglob("*.py"):
+        if path.relative_to(plugin_dir).parts[0] == "tests":
+            continue
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             names: list[str] = []
@@ -57,6 +60,8 @@ def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
     (bad / "plugin.toml").write_text('id = "bad"\nversion = "0.1"\nentry = "bad"\n')
     (bad / "bad.py").write_text("from localm.kernel.auth import KeyStore\nimport hello\nfrom localm import kernel\n"
                                 "from .. import elsewhere\nfrom . import fine\nfrom localm import sdk\n")
+    (bad / "tests").mkdir()
+    (bad / "tests" / "test_bad.py").write_text("from localm.kernel.auth import KeyStore\nimport hello\n")
     found = violations(bad, {"hello"})
     assert len(found) == 4
 

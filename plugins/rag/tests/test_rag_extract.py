@@ -1,12 +1,11 @@
 """The rag plugin's extraction (every kind, refusals, encodings, defang) and chunking, on real files.
 
-The two modules are loaded by path, so these tests need neither the plugin's package nor its
-vector store; no model runs.
+The two modules are imported by the plugin's package name (the package imports chromadb only
+when a store opens), so these tests need no vector store; no model runs.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import random
 import re
@@ -18,17 +17,12 @@ from typing import Any
 import pytest
 import rag_files
 from localm.sdk import defang
+from localm.sdk.testing import plugin_module
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load(name: str) -> ModuleType:
-    path = ROOT / "plugins" / "rag" / "rag" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"rag_{name}_under_test", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return plugin_module("rag", f"rag.{name}")
 
 
 extract = _load("extract")

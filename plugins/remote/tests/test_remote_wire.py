@@ -9,17 +9,14 @@ import json
 import shutil
 import ssl
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "remote"))
-try:
-    from remote_engine import wire
-finally:
-    sys.path.pop(0)
+from localm.sdk.testing import plugin_module
+
+wire = plugin_module("remote", "remote_engine.wire")
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

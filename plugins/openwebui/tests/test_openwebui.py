@@ -2,8 +2,8 @@
 as an export, and as source over HTTP) into a real server, driven with the openai, ollama
 and anthropic clients.
 
-The Functions are real, public ones, stored verbatim in tests/openwebui/public/ with their
-sources and licences (tests/openwebui/public/SOURCES.md):
+The Functions are real, public ones, stored verbatim in functions/public/ (beside this file)
+with their sources and licences (functions/public/SOURCES.md):
 
 - Payload Inspector (a Filter: ``__event_emitter__`` status events, ``priority`` 999, a
   ``request`` hook, a select Valve);
@@ -13,7 +13,7 @@ sources and licences (tests/openwebui/public/SOURCES.md):
 - LiteLLM Standalone Pipe (a manifold of an OpenAI-compatible server's models, its URL and
   key from Valves), pointed at a second localm on loopback that serves two models.
 
-The Functions in tests/openwebui/ are written for these tests (see its README.md): ones
+The Functions in functions/ are written for these tests (see its README.md): ones
 that fail (a syntax error, an Open WebUI module localm does not provide, a stream hook that
 raises or sleeps, an outlet that raises), a toggle filter with a password Valve, the shapes
 ``pipe()`` may return, message and replace events, and an Action (no public Action with a
@@ -39,9 +39,9 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("pydantic")
 pytest.importorskip("requests")
 
-from conftest import offline_cli  # noqa: E402
+from project_fixtures import offline_cli  # noqa: E402
 
-HERE = Path(__file__).parent / "openwebui"
+HERE = Path(__file__).parent / "functions"
 PUBLIC = HERE / "public"
 MODEL = "smollm2-135m-instruct"
 GREEDY = {"temperature": 0, "extra_body": {"cache_prompt": False}}
@@ -532,7 +532,7 @@ def test_an_outlet_that_raises_refuses_a_whole_reply(owner: httpx.Client, client
 # --- pipes ----------------------------------------------------------------------------------------
 
 def test_pipes_are_models_on_every_surface(server: Any, owner: httpx.Client, clients: dict[str, Any]) -> None:
-    """The shapes a pipe() may return (tests/openwebui/tool_pipes.py), on every surface."""
+    """The shapes a pipe() may return (functions/tool_pipes.py), on every surface."""
     listed = {m["id"] for m in owner.get("/v1/models").json()["data"]}
     assert {"tool_pipes.echo", "tool_pipes.reverse", "tool_pipes.count"} <= listed
     tags = {m.model for m in clients["ollama"].list().models}

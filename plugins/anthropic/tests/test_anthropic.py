@@ -7,25 +7,21 @@ their own, for what the tiny model cannot show (thinking blocks, an error mid-st
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 import types
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import jsonschema
 import pytest
 
-from conftest import offline_cli
+from project_fixtures import offline_cli
 from localm import sdk
-from localm.sdk.testing import LocalmServer
+from localm.sdk.testing import LocalmServer, plugin_module
 
 anthropic = pytest.importorskip("anthropic")
 pytest.importorskip("llama_cpp")
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "Write one sentence about the sea."}]
 # greedy, and computed afresh: a reply that reuses the KV cache can differ slightly
@@ -305,13 +301,7 @@ def test_the_sdk_sees_an_invalid_request(client: Any) -> None:
 # --- the reader and the renderer on their own ------------------------------------------
 
 def _load(name: str) -> Any:
-    key = f"localm_test_anthropic_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, ROOT / f"plugins/anthropic/anthropic_messages/{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
+    return plugin_module("anthropic", f"anthropic_messages.{name}")
 
 
 def test_the_reader_joins_turns_and_translates_tools() -> None:

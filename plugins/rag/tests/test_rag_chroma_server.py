@@ -17,11 +17,11 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rag_files import write_samples  # noqa: E402
-from test_rag import CHAT_MODEL, PARAPHRASES, PLUGINS, add, files_of  # noqa: E402
+from project_fixtures import add
+from rag_files import write_samples
+from test_rag import CHAT_MODEL, PARAPHRASES, PLUGINS, files_of  # beside this file
 
-from localm.sdk.testing import LocalmServer  # noqa: E402
+from localm.sdk.testing import LocalmServer
 
 CHROMA = Path(sys.executable).with_name("chroma")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("chromadb") is None

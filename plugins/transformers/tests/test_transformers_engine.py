@@ -21,16 +21,15 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import sse_events
+from project_fixtures import sse_events
 from localm.sdk import engines as spec
-from localm.sdk.testing import LocalmServer
+from localm.sdk.testing import LocalmServer, plugin_module
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 EMBEDDER = "minilm"
 QUESTION = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -269,10 +268,7 @@ def test_greedy_text_matches_llama_cpp(tmp_path: Path, client: Any) -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
-    spec_ = importlib.util.spec_from_file_location("localm_test_hf_engine", ROOT / "plugins/transformers/hf_engine.py")
-    assert spec_ is not None and spec_.loader is not None
-    module = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(module)
+    module = plugin_module("transformers", "hf_engine")
     reached: list[Any] = []
 
     def refuse(self: socket.socket, address: Any) -> None:

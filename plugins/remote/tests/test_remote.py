@@ -21,9 +21,9 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import offline_cli
+from project_fixtures import offline_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 LS_MODEL = "smol-ls"  # served by llama-server
 LCP_MODEL = "smol-lcp"  # served by llama-cpp-python's server
 KEY = "sk-upstream-secret-4711"
