@@ -35,7 +35,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 from localm import sdk
@@ -307,6 +307,14 @@ def _appended(message: dict[str, Any], text: str, reasoning: str) -> list[Any]:
     return out
 
 
+class Parsed(NamedTuple):
+    """A request as the chat readers read it: the fields every kind has, what the model is
+    given (a chat's messages, a completion's prompt) and the kind's options."""
+    common: Common
+    content: Any
+    options: Options
+
+
 @attrs.frozen
 class ModelView:
     """What the forward_interventions hook is told about the model that will answer."""
@@ -465,8 +473,8 @@ class ChatService:
         """
         received = time.perf_counter() if received is None else received
 
-        def read(r: Reader) -> tuple[Common, list[dict[str, Any]], Options]:
-            return read_common(r), read_messages(r), read_options(r, "chat")
+        def read(r: Reader) -> Parsed:
+            return Parsed(read_common(r), read_messages(r), read_options(r, "chat"))
 
         asked = _asked(body, extra)
         (common, messages, options), chain, steering, headers, found = await self._admit(
@@ -512,7 +520,7 @@ class ChatService:
         where a chat has ``messages``."""
         received = time.perf_counter() if received is None else received
 
-        def read(r: Reader) -> tuple[Common, str, Options]:
+        def read(r: Reader) -> Parsed:
             common = read_common(r)
             prompt_text = r.body.get("prompt")
             if isinstance(prompt_text, list) and len(prompt_text) == 1 and isinstance(prompt_text[0], str):
@@ -522,7 +530,7 @@ class ChatService:
             if not isinstance(prompt_text, str):
                 r.errors.append({"key": "prompt", "message": "must be a string"})
             r.get("echo", (bool,), "true or false", False)
-            return common, prompt_text, read_options(r, "completions")
+            return Parsed(common, prompt_text, read_options(r, "completions"))
 
         asked = _asked(body, extra)
         (common, prompt_text, options), chain, steering, headers, found = await self._admit(
@@ -593,30 +601,30 @@ class ChatService:
     # --- the steps of chat and complete -------------------------------------------------------
     async def _admit(self, kind: str, asked: ChatRequest, read: Any, *, route: str, request: Any,
                      report: bool | None, ignored: list[str] | None,
-                     request_headers: Any) -> tuple[Any, hooks.Chain, Interventions, dict[str, str], Any]:
-        """Read the client's request (``read`` returns common fields first, options last), run
-        the inlet hooks and read what they left, resolve the model, ask for steering, then
-        check the fields against what was claimed: (what ``read`` returned, the hooks, the
-        steering, headers, the model's registry entry or the refusal to raise for it)."""
+                     request_headers: Any) -> tuple[Parsed, hooks.Chain, Interventions, dict[str, str], Any]:
+        """Read the client's request, run the inlet hooks and read what they left, resolve the
+        model, ask for steering, then check the fields against what was claimed: (the request
+        as read, the hooks, the steering, headers, the model's registry entry or the refusal
+        to raise for it)."""
         body = asked.body
         r = Reader(body, asked.origins)
         parsed = read(r)
         r.done()
         media = r.media
         caller = sdk.caller(request) if request is not None else None
-        chain = hooks.Chain(self.host, route=route, streamed=parsed[0].stream, caller=caller)
+        chain = hooks.Chain(self.host, route=route, streamed=parsed.common.stream, caller=caller)
 
         def check(hooked: dict[str, Any], plugin: str) -> Any:
-            return self._reread(hooked, asked.origins, read, plugin, parsed[0])
+            return self._reread(hooked, asked.origins, read, plugin, parsed.common)
 
         hooked, changed_by, checked = await chain.inlet(self._hooked(body, asked.extra, kind, chain), check)
         if changed_by:
             parsed, media = checked
         chain.media = media
-        found = self._resolve(asked, parsed[0].model)
+        found = self._resolve(asked, parsed.common.model)
         steering = await self._interventions(hooked, found)
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
-        self._check_stream(parsed[-1], parsed[0], chain, asked.origins)
+        self._check_stream(parsed.options, parsed.common, chain, asked.origins)
         return parsed, chain, steering, headers, found
 
     def _resolve(self, asked: ChatRequest, model: str | None) -> Any:
@@ -654,14 +662,14 @@ class ChatService:
         except Exception as exc:  # a refusal of the reader, or a value it could not handle at all
             raise hooks.Unreadable(exc.detail if isinstance(exc, sdk.LocalmError)
                                    else f"{type(exc).__name__}: {exc}") from None
-        if out[0].model != before.model:
+        if out.common.model != before.model:
             try:
-                self.host.models.resolve(out[0].model)
+                self.host.models.resolve(out.common.model)
             except sdk.LocalmError as exc:
-                raise sdk.LocalmError(exc.status, f"The {plugin} plugin changed the model to {out[0].model!r}: "
+                raise sdk.LocalmError(exc.status, f"The {plugin} plugin changed the model to {out.common.model!r}: "
                                                   f"{exc.detail}", code=exc.code) from None
-        common = attrs.evolve(out[0], stream=before.stream, include_usage=before.include_usage)
-        return (common, *out[1:]), r.media
+        common = attrs.evolve(out.common, stream=before.stream, include_usage=before.include_usage)
+        return out._replace(common=common), r.media
 
     async def _interventions(self, body: dict[str, Any], entry: Any) -> Interventions:
         """Ask the forward_interventions hook for this request's steering (before any load)."""
