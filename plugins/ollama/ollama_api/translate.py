@@ -109,9 +109,7 @@ def read_options(options: Any, out: dict[str, Any], ignored: list[str]) -> None:
         if value is None:
             continue
         where = f"options.{key}"
-        if key in NUMBER_OPTIONS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise sdk.LocalmError(400, f"{where} must be a number")
+        if key in NUMBER_OPTIONS:  # checked by the chat service's reader, named options.KEY
             out[key] = value
         elif key in ("top_k", "seed", "num_predict", "num_ctx"):
             if isinstance(value, float) and value.is_integer():
@@ -128,12 +126,9 @@ def read_options(options: Any, out: dict[str, Any], ignored: list[str]) -> None:
                     out["max_tokens"] = value
             elif value > 0:  # the model serves with this window from this request on, as on Ollama
                 out["num_ctx"] = value
-        elif key == "stop":
-            stops = [value] if isinstance(value, str) else value
-            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-                raise sdk.LocalmError(400, f"{where} must be a list of strings")
-            if stops:
-                out["stop"] = stops
+        elif key == "stop":  # a string or a list of strings, as OpenAI's: the chat service's reader checks it
+            if present(value):
+                out["stop"] = value
         else:
             ignored.append(where)
 

@@ -303,7 +303,10 @@ def test_error_shapes(server: LocalmServer, client: Any) -> None:
     err = refused(lambda: client.chat(model="no-such-model", messages=QUESTION))
     assert (err.status_code, err.error) == (404, "model 'no-such-model' not found")
     err = refused(lambda: client.generate(model=MODEL, prompt="x", options={"temperature": "hot"}))
-    assert (err.status_code, err.error) == (400, "options.temperature must be a number")
+    assert (err.status_code, err.error) == (400, "options.temperature: must be a number.")  # the chat service's reader
+    for stop in (5, [1], ["a", None]):
+        err = refused(lambda: client.generate(model=MODEL, prompt="x", options={"stop": stop}))
+        assert err.status_code == 400 and err.error.startswith("options.stop"), err.error
     err = refused(lambda: client.generate(model=MODEL, prompt="x", suffix="y"))
     assert err.status_code == 400 and "suffix" in err.error
     err = refused(lambda: client.chat(model=MODEL, messages=[{"role": "user", "content": "x",
