@@ -1,17 +1,11 @@
-"""The engine hook spec, for plugins that provide or use inference engines."""
+"""The engine hook spec, for plugins that provide or use inference engines: the kernel's
+protocols and events, and what engines share beside them (constrained output and log
+probabilities from :mod:`.constrain`, the request queues from :mod:`.scheduling`)."""
 
 import os
 
-from localm.kernel.constrain import (
-    LOGPROB_FLOOR,
-    Constrainer,
-    TokenMasker,
-    logprob_entry,
-    safe_logprob,
-)
 from localm.kernel.engines import (
     ActivationRead,
-    Batched,
     Capabilities,
     ChatEngine,
     ChatInput,
@@ -24,21 +18,21 @@ from localm.kernel.engines import (
     FinishReason,
     GenerateRequest,
     Intervention,
-    Job,
     LoadedModel,
     Queued,
     Ranked,
     RerankEngine,
     Sampling,
-    Serial,
     SpeechToTextEngine,
     Started,
     Status,
     TextToSpeechEngine,
     Token,
-    Turns,
     steering_of,
 )
+
+from .constrain import LOGPROB_FLOOR, Constrainer, TokenMasker, logprob_entry, safe_logprob
+from .scheduling import Batched, Job, Serial, Turns
 
 __all__ = ["LOGPROB_FLOOR", "ActivationRead", "Batched", "Capabilities", "ChatEngine", "ChatInput", "Constrainer",
            "Constraint", "EmbeddingEngine", "Engine", "EngineError", "LoadedModel", "RerankEngine",

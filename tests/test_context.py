@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from localm.kernel.engines import Turns
+from localm.sdk.engines import Turns
 from localm.sdk.testing import LocalmServer
 
 openai = pytest.importorskip("openai")

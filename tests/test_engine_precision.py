@@ -1,6 +1,6 @@
 """Constrained output and log probabilities in both engines, in process, on SmolLM2-135M:
 llguidance grammars (JSON schema, lazy triggers, bad grammars), logprobs against the raw
-next-token logits, and the shared helpers of localm.kernel.constrain."""
+next-token logits, and the shared helpers of localm.sdk.constrain."""
 
 from __future__ import annotations
 

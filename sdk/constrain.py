@@ -20,8 +20,8 @@ import math
 import threading
 from typing import Any, Callable
 
-from .engines import Constraint
-from .errors import LocalmError
+from localm.kernel.engines import Constraint
+from localm.kernel.errors import LocalmError
 
 log = logging.getLogger("localm.engines")
 
