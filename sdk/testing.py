@@ -319,38 +319,17 @@ def wants_process(request: pytest.FixtureRequest) -> bool | None:
     return True if node.get_closest_marker("server_process") is not None else None
 
 
-@pytest.fixture
-def localm_server(tmp_path_factory: pytest.TempPathFactory,
-                  request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalmServer]]:
-    """Start real servers: ``localm_server(plugins=[...], env={...}, data_dir=..., process=...)``."""
-    started: list[LocalmServer] = []
-
-    def start(*, data_dir: Path | None = None, **kwargs: Any) -> LocalmServer:
-        d = data_dir or tmp_path_factory.mktemp("localm") / "data"
-        kwargs.setdefault("process", wants_process(request))
-        server = LocalmServer(d, **kwargs).start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def localm_module_server(tmp_path_factory: pytest.TempPathFactory,
-                         request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalmServer]]:
-    """Start real servers shared by a test module's tests (stopped after its last test):
-    ``localm_module_server(prepare=None, **kwargs)`` takes ``localm_server``'s arguments, and
-    ``prepare(data_dir)`` is called on the fresh data dir before the server starts (keys,
-    config, plugins installed offline)."""
+def _servers(tmp_path_factory: pytest.TempPathFactory,
+             request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalmServer]]:
+    """What both server fixtures yield: ``start(prepare=None, data_dir=None, **kwargs)``, and
+    every server it started stopped when the fixture ends."""
     started: list[LocalmServer] = []
 
     def start(*, prepare: Callable[[Path], Any] | None = None, data_dir: Path | None = None,
               **kwargs: Any) -> LocalmServer:
         d = data_dir or tmp_path_factory.mktemp("localm") / "data"
-        d.mkdir(parents=True, exist_ok=True)
         if prepare is not None:
+            d.mkdir(parents=True, exist_ok=True)
             prepare(d)
         kwargs.setdefault("process", wants_process(request))
         server = LocalmServer(d, **kwargs).start()
@@ -360,6 +339,23 @@ def localm_module_server(tmp_path_factory: pytest.TempPathFactory,
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def localm_server(tmp_path_factory: pytest.TempPathFactory,
+                  request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalmServer]]:
+    """Start real servers: ``localm_server(plugins=[...], env={...}, data_dir=..., process=...)``."""
+    yield from _servers(tmp_path_factory, request)
+
+
+@pytest.fixture(scope="module")
+def localm_module_server(tmp_path_factory: pytest.TempPathFactory,
+                         request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalmServer]]:
+    """Start real servers shared by a test module's tests (stopped after its last test):
+    ``localm_module_server(prepare=None, **kwargs)`` takes ``localm_server``'s arguments, and
+    ``prepare(data_dir)`` is called on the fresh data dir before the server starts (keys,
+    config, plugins installed offline)."""
+    yield from _servers(tmp_path_factory, request)
 
 
 def offline_cli(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> str:
