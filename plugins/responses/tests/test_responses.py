@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 
 from project_fixtures import offline_cli
+from localm.sdk.chat import Call, Piece, Reasoning
 from localm.sdk.testing import LocalmServer, plugin_module
 
 openai = pytest.importorskip("openai")
@@ -289,22 +290,6 @@ def test_callers_are_told_apart() -> None:
 
 
 # --- in process: the renderer, with a reasoning model's items ------------------------------
-
-@attrs.frozen
-class Piece:
-    text: str
-    logprobs: tuple[dict[str, Any], ...] = ()
-
-
-@attrs.frozen
-class Reasoning:
-    text: str
-
-
-@attrs.frozen
-class Call:
-    call: dict[str, Any]
-
 
 class FakeChat:
     Piece, Reasoning, Call = Piece, Reasoning, Call

@@ -64,26 +64,8 @@ def files(tmp_path_factory: pytest.TempPathFactory, decoder: np.ndarray) -> dict
 def reference_logprobs(reference: Any, delta: np.ndarray | dict[int, np.ndarray] | None) -> Any:
     """The next-token log-probabilities after ASK, with ``delta`` added at LAYER's output (or
     each of ``{layer: delta}`` at its layer's) by a plain PyTorch forward hook."""
-    tokenizer, model = reference
-    text = tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     deltas = {} if delta is None else delta if isinstance(delta, dict) else {LAYER: delta}
-    handles = []
-    for layer, vector in deltas.items():
-        d = torch.from_numpy(np.asarray(vector, dtype=np.float32))
-
-        def hook(module: Any, args: Any, output: Any, d: Any = d) -> Any:
-            if isinstance(output, tuple):
-                return (output[0] + d, *output[1:])
-            return output + d
-        handles.append(model.model.layers[layer].register_forward_hook(hook))
-    try:
-        with torch.inference_mode():
-            logits = model(ids).logits[0, -1]
-    finally:
-        for handle in handles:
-            handle.remove()
-    return torch.log_softmax(logits.double(), dim=0)
+    return fixtures.reference_logprobs(reference, ASK, deltas)
 
 
 @pytest.fixture(scope="module")
