@@ -43,6 +43,12 @@ An engine whose capabilities say ``messages`` answers whole chat requests: its
 context) instead of a token prompt, and its Token events carry text with ``id`` -1. Its
 Finished event's token counts are what it knows of them (0 when nothing counted them).
 
+A request may place images and sounds in its prompt (``GenerateRequest.media``, a
+:class:`MediaSpan` each) for an engine whose model sees or hears (:class:`MediaEngine`):
+the chat service renders the template with ``engine.media_marker`` where a message holds
+one, tokenizes the text around the markers, and asks ``engine.media_tokens`` how many
+positions each takes, so the window arithmetic counts them like tokens.
+
 Each model role has a protocol of its own, so an engine implements only what its models
 do: :class:`ChatEngine` (``Engine``, the name engines were first written against) for chat
 models, :class:`EmbeddingEngine`, :class:`RerankEngine` (a cross-encoder: its engine says
@@ -221,6 +227,29 @@ class ChatInput:
 
 
 @attrs.frozen
+class Media:
+    """An image or a sound a chat message carries, as the client sent it (``data``: the encoded
+    file, PNG/JPEG/WebP/GIF/BMP for an image, WAV/MP3/FLAC for audio; its size and pixel
+    dimensions were checked before anything decoded it). ``digest`` (sha256 hex of ``data``)
+    names it: two requests holding the same picture share its encoding and prompt cache."""
+
+    kind: Literal["image", "audio"]
+    data: bytes = attrs.field(repr=lambda data: f"<{len(data)} bytes>")
+    digest: str = ""
+
+
+@attrs.frozen
+class MediaSpan:
+    """Where a :class:`Media` sits in a token prompt: before ``prompt[at]`` (``at`` may equal
+    the prompt's length), taking ``tokens`` positions (what :meth:`ChatEngine.media_tokens`
+    said). The prompt's own ids hold only the text around it."""
+
+    at: int
+    media: Media
+    tokens: int
+
+
+@attrs.frozen
 class GenerateRequest:
     prompt: tuple[int, ...]
     sampling: Sampling = Sampling()
@@ -249,6 +278,10 @@ class GenerateRequest:
     #: A background request (a front end's title or tags task): it waits behind interactive
     #: requests that arrive while it is queued (see :class:`Serial`).
     background: bool = False
+    #: Images and sounds placed in the prompt, in order of ``at`` (needs
+    #: ``Capabilities.vision`` / ``Capabilities.audio``). The positions a request uses are
+    #: ``len(prompt) + sum(span.tokens)``.
+    media: tuple[MediaSpan, ...] = ()
 
 
 @attrs.frozen
@@ -377,6 +410,21 @@ class ChatEngine(LoadedModel, Protocol):
         compile for this model's tokenizer; synchronous, so a surface can call it before it
         opens a stream (the first call builds the tokenizer's llguidance form: a fraction of a
         second). ``generate`` refuses such a grammar in-band (``Finished(reason="error")``)."""
+
+
+@runtime_checkable
+class MediaEngine(ChatEngine, Protocol):
+    """A chat engine whose model sees images (``capabilities.vision``) or hears sound
+    (``capabilities.audio``): it places :class:`Media` in a prompt (``GenerateRequest.media``)."""
+
+    #: The text a chat template gets where a message holds an image or a sound; the prompt is
+    #: tokenized around it and each marker becomes a :class:`MediaSpan`.
+    media_marker: str
+
+    async def media_tokens(self, media: Media) -> int:
+        """How many prompt positions ``media`` takes. The engine encodes it here (once per
+        digest, kept for the ``generate`` that follows) and raises ``EngineError`` with
+        ``code="invalid_media"`` when it cannot decode it."""
 
 
 #: The name engines were written against before roles had protocols of their own.

@@ -19,6 +19,9 @@ from localm.kernel.engines import (
     GenerateRequest,
     Intervention,
     LoadedModel,
+    Media,
+    MediaEngine,
+    MediaSpan,
     Queued,
     Ranked,
     RerankEngine,
@@ -35,7 +38,8 @@ from .constrain import LOGPROB_FLOOR, Constrainer, TokenMasker, logprob_entry, s
 from .scheduling import Batched, Job, Serial, Turns
 
 __all__ = ["LOGPROB_FLOOR", "ActivationRead", "Batched", "Capabilities", "ChatEngine", "ChatInput", "Constrainer",
-           "Constraint", "EmbeddingEngine", "Engine", "EngineError", "LoadedModel", "RerankEngine",
+           "Constraint", "EmbeddingEngine", "Engine", "EngineError", "LoadedModel", "Media", "MediaEngine", "MediaSpan",
+           "RerankEngine",
            "SpeechToTextEngine", "TextToSpeechEngine", "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Job", "Queued", "Ranked", "Sampling",
            "Serial", "Started", "Status", "Token", "TokenMasker", "Turns", "logprob_entry", "safe_logprob",
            "steering_of", "usable_cores"]
