@@ -853,7 +853,7 @@ def models_list(obj: Ctx, as_json: bool) -> None:
         entries = Registry(obj.data_dir).entries()
         loaded = set()
         if obj.server:
-            loaded = {m["id"] for m in obj.server.call("GET", "/v1/models")["data"] if m["loaded"]}
+            loaded = {m["id"] for m in obj.server.call("GET", "/api/models/loaded")["models"]}
         if as_json:
             click.echo(json.dumps([e.public() for e in entries], indent=2))
             return
@@ -1022,8 +1022,9 @@ def show(obj: Ctx, model: str, as_json: bool, part: str | None) -> None:
 
     def body() -> None:
         out = card(Registry(obj.data_dir).get(model))
-        live = obj.server.call("GET", f"/v1/models/{out['id']}") if obj.server else {}
-        out["loaded"] = bool(live.get("loaded"))
+        loaded = obj.server.call("GET", "/api/models/loaded")["models"] if obj.server else []
+        live = next((m for m in loaded if m["id"] == out["id"]), {})
+        out["loaded"] = bool(live)
         out["engine"] = live.get("engine")
         if as_json:
             click.echo(json.dumps(out, indent=2))

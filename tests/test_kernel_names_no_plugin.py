@@ -16,10 +16,8 @@ KERNEL = ROOT / "kernel"
 #: what plugins own beyond their ids: their file formats, engines' names and pull schemes
 PLUGIN_WORDS = {"ct2", "piper", "faster_whisper", "whisper", "openai+http", "openai+https", "remote"}
 EXEMPT = {"chat"}
-#: a word that is the kernel's own in one file: the OpenAPI document's "responses" key; the
-#: error family ("openai": OpenAI's error shape) the kernel's /v1/models routes answer in, which
-#: names a shape, not the openai plugin (a family with no renderer registered answers {"detail": ...})
-OWN_WORDS = {("openapi.py", "responses"), ("models.py", "openai")}
+#: a word that is the kernel's own in one file: the OpenAPI document's "responses" key
+OWN_WORDS = {("openapi.py", "responses")}
 
 
 def plugin_ids() -> set[str]:

@@ -1,4 +1,5 @@
-"""GET /v1/models, GET /v1/models/{id}; POST /v1/models/load, /unload, /rename; GET /api/models/loaded."""
+"""POST /v1/models/load, /unload, /rename; GET /api/models/loaded. (GET /v1/models and
+/v1/models/{id}, OpenAI's model list, are the openai plugin's.)"""
 
 from __future__ import annotations
 
@@ -69,70 +70,6 @@ async def _params(request: Request, **query: str | None) -> dict[str, str | None
     return out
 
 
-def _summary(k: Any, entry: Any) -> dict[str, Any]:
-    """One model of the list. ``role`` says what it does (chat, embedding, reranker, stt, tts):
-    an OpenAI client finds its embedding models here. Open WebUI puts every model of this
-    list in its chat picker (it leaves out models by name only for api.openai.com) and reads
-    no field that would hide one, so a model that does not chat is left out of Ollama's
-    /api/tags instead, and a chat request to it is a 400 not_a_chat_model."""
-    return {"id": entry.id, "object": "model", "created": int(entry.created), "owned_by": "localm",
-            "role": entry.role, "loaded": entry.id in k.models.resident, "active": k.models.active == entry.id}
-
-
-@get("/v1/models", scope="models:read", access="open_read", error_family="openai",
-     summary="Every registered model")
-async def list_models(request: Request) -> dict[str, Any]:
-    k = kernel_of(request)
-    entries = k.models.registry.entries()
-    if k.models.locked is not None:  # a locked model is the only one listed
-        entries = [e for e in entries if e.id == k.models.locked]
-    data = [_summary(k, e) for e in entries]
-    by_source: dict[Any, list[Any]] = {}
-    for e in entries:  # a plugin's source may add fields (a remote model: whether its server answers now)
-        found = k.models.kinds.source(e.source)
-        if found is not None and found.describe is not None:
-            by_source.setdefault(found, []).append(e)
-    for found, mine in by_source.items():
-        try:
-            extra = await found.describe(mine)
-        except Exception:  # noqa: BLE001 - a listing never fails for one plugin's description
-            log.exception("the %s plugin could not describe its models", found.plugin)
-            continue
-        for item in data:
-            item.update(extra.get(item["id"], {}))
-    return {"object": "list", "data": data}
-
-
-@get("/v1/models/{model_id:path}", scope="models:read", access="open_read", error_family="openai",
-     summary="One registered model's details")
-async def read_model(request: Request, model_id: str) -> dict[str, Any]:
-    k = kernel_of(request)
-    entry = k.models.registry.get(model_id.lstrip("/"))
-    from pathlib import Path
-    out = _summary(k, entry) | {
-        "path": Path(entry.path).name, "source": entry.source if not entry.source.startswith("file:")
-        else "file:" + Path(entry.source[5:]).name, "sha256": entry.sha256, "size_bytes": entry.size_bytes,
-        "aliases": list(entry.aliases), "model_type": entry.type, "role": entry.role,
-    }
-    caps = entry.capabilities
-    if "vision" in caps:
-        out["vision"] = bool(caps["vision"])
-        out["audio_input"] = bool(caps.get("audio_input"))
-    out["capabilities"] = caps
-    resident = k.models.resident.get(entry.id)
-    if resident is not None:
-        out["engine"] = resident.engine.engine
-        out["context_capacity"] = resident.engine.capabilities.context_window  # the window open now
-        out["context_max"] = resident.engine.capabilities.context_limit  # the most it grows to
-        out["busy"] = resident.engine.busy  # requests running or queued on it
-        slots = int(getattr(resident.engine, "slots", 1) or 1)
-        if slots > 1:  # it answers that many requests at once
-            out["parallel_slots"] = slots
-        out["in_flight"] = resident.in_flight  # requests holding it (a load or an unload waits for them)
-        out["unloading"] = resident.unloading
-    return out
-
-
 @post("/v1/models/load", scope="models:write", summary="Load a model (the active or default one without ?model=)",
       body=ModelChoice, body_required=False,
       errors={**_PARAMS, 404: "An unregistered model", 503: "No model named and none active, loaded or configured"})
@@ -190,4 +127,4 @@ async def loaded_models(request: Request) -> dict[str, Any]:
     return {"models": out}
 
 
-ROUTES = [list_models, read_model, load_model, unload_model, rename_model, loaded_models]
+ROUTES = [load_model, unload_model, rename_model, loaded_models]

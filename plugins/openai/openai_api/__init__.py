@@ -1,7 +1,7 @@
 """The openai plugin: OpenAI's API on localm's port. POST /v1/chat/completions,
-/v1/completions, /v1/embeddings and /v1/rerank (:mod:`.rerank`), and the error shape of the
-``openai`` error family (every route that names it: these, the kernel's /v1/models, and the
-audio and image routes of other plugins).
+/v1/completions, /v1/embeddings and /v1/rerank (:mod:`.rerank`), GET /v1/models, and the error shape of the
+``openai`` error family (every route that names it: these, and the audio and image routes of
+other plugins); GET /v1/models and /v1/models/{id} (:mod:`.models`).
 
 A surface like the Ollama, Anthropic and Responses plugins: it reads the OpenAI body, asks
 the chat service (``host.chat``, the chat plugin's) to generate, embed, rerank or score, and
@@ -26,6 +26,7 @@ from localm.sdk.chat import Call, ChatRequest, Piece, Reasoning
 from localm.sdk.fields import Reader
 
 from . import schema, scoring
+from .models import list_models, read_model
 from .rerank import rerank_route
 
 log = logging.getLogger("localm.plugin.openai")
@@ -275,4 +276,4 @@ def startup(host, plugin):
 
 @sdk.hookimpl
 def register_routes(register):
-    register(chat_completions, completions, embeddings, rerank_route)
+    register(chat_completions, completions, embeddings, rerank_route, list_models, read_model)

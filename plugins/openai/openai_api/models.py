@@ -1,0 +1,77 @@
+"""GET /v1/models and GET /v1/models/{id}: OpenAI's model list and one model's details, from
+the model manager's registry (``host.models``). Loading, unloading and renaming are the
+kernel's own routes (POST /v1/models/load, /unload, /rename; GET /api/models/loaded)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from localm import sdk
+
+log = logging.getLogger("localm.plugin.openai")
+
+
+def _summary(models: Any, entry: Any) -> dict[str, Any]:
+    """One model of the list. ``role`` says what it does (chat, embedding, reranker, stt, tts):
+    an OpenAI client finds its embedding models here. Open WebUI puts every model of this
+    list in its chat picker (it leaves out models by name only for api.openai.com) and reads
+    no field that would hide one, so a model that does not chat is left out of Ollama's
+    /api/tags instead, and a chat request to it is a 400 not_a_chat_model."""
+    return {"id": entry.id, "object": "model", "created": int(entry.created), "owned_by": "localm",
+            "role": entry.role, "loaded": entry.id in models.resident, "active": models.active == entry.id}
+
+
+@sdk.get("/v1/models", scope="models:read", access="open_read", error_family="openai",
+         summary="Every registered model")
+async def list_models(request: sdk.Request) -> dict[str, Any]:
+    models = sdk.host_of(request).models
+    entries = models.registry.entries()
+    if models.locked is not None:  # a locked model is the only one listed
+        entries = [e for e in entries if e.id == models.locked]
+    data = [_summary(models, e) for e in entries]
+    by_source: dict[Any, list[Any]] = {}
+    for e in entries:  # a plugin's source may add fields (a remote model: whether its server answers now)
+        found = models.kinds.source(e.source)
+        if found is not None and found.describe is not None:
+            by_source.setdefault(found, []).append(e)
+    for found, mine in by_source.items():
+        try:
+            extra = await found.describe(mine)
+        except Exception:  # noqa: BLE001 - a listing never fails for one plugin's description
+            log.exception("the %s plugin could not describe its models", found.plugin)
+            continue
+        for item in data:
+            item.update(extra.get(item["id"], {}))
+    return {"object": "list", "data": data}
+
+
+@sdk.get("/v1/models/{model_id:path}", scope="models:read", access="open_read", error_family="openai",
+         summary="One registered model's details")
+async def read_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
+    models = sdk.host_of(request).models
+    entry = models.registry.get(model_id.lstrip("/"))
+    out = _summary(models, entry) | {
+        "path": Path(entry.path).name, "source": entry.source if not entry.source.startswith("file:")
+        else "file:" + Path(entry.source[5:]).name, "sha256": entry.sha256, "size_bytes": entry.size_bytes,
+        "aliases": list(entry.aliases), "model_type": entry.type, "role": entry.role,
+    }
+    caps = entry.capabilities
+    if "vision" in caps:
+        out["vision"] = bool(caps["vision"])
+        out["audio_input"] = bool(caps.get("audio_input"))
+    out["capabilities"] = caps
+    resident = models.resident.get(entry.id)
+    if resident is not None:
+        engine = resident.engine
+        out["engine"] = engine.engine
+        out["context_capacity"] = engine.capabilities.context_window  # the window open now
+        out["context_max"] = engine.capabilities.context_limit  # the most it grows to
+        out["busy"] = engine.busy  # requests running or queued on it
+        slots = int(getattr(engine, "slots", 1) or 1)
+        if slots > 1:  # it answers that many requests at once
+            out["parallel_slots"] = slots
+        out["in_flight"] = resident.in_flight  # requests holding it (a load or an unload waits for them)
+        out["unloading"] = resident.unloading
+    return out
