@@ -30,8 +30,11 @@ def surface_of(route: str) -> str:
     return {"chat": "openai", "completions": "openai", "count_tokens": "anthropic"}.get(head, head)
 
 
-class _Shared:
-    """One request's state, shared by every plugin's view of the context."""
+class RequestState:
+    """One request's state, from the inlet hooks to the last byte of the reply: what every
+    plugin's view of the context reads and adds to, and what the generation answers with.
+    Nothing else holds a copy: the response's headers are ``headers`` and its added fields
+    ``fields``, whoever set them (the chat service, a hook, a forward_interventions reader)."""
 
     def __init__(self, host: Any, route: str, streamed: bool, caller: Any) -> None:
         self.host = host
@@ -39,14 +42,32 @@ class _Shared:
         self.surface = surface_of(route)
         self.streamed = streamed
         self.caller = caller
+        #: the request as the inlet hooks left it, and where it holds image or audio parts
         self.request: dict[str, Any] = {}
+        self.media: list[str] = []
+        #: the model that answers (None until it is resolved)
         self.model: str | None = None
+        #: request fields plugins said they read (context.use)
         self.claims: set[str] = set()
+        #: the response's headers, and the fields added to its body (or its last chunk)
         self.headers: dict[str, str] = {}
-        self.late_headers: dict[str, str] = {}  # added once a stream was open: sent as localm_headers
         self.fields: dict[str, Any] = {}
+        #: status events waiting to be sent; whether a streamed reply's headers were sent
         self.statuses: list[pipeline.Status] = []
         self.opened = False
+
+    def header(self, name: str, value: str) -> None:
+        """A response header; once a streamed reply is open its headers are sent, so a later one
+        goes into the last chunk's ``localm_headers`` field."""
+        if self.opened:
+            self.fields.setdefault("localm_headers", {})[name] = value
+        else:
+            self.headers[name] = value
+
+    def answer_with(self, headers: dict[str, str]) -> None:
+        """Headers the chat service sets (the seed echo, the ignored-fields report, ...): a hook's
+        header of the same name, set earlier, wins."""
+        self.headers = {**headers, **self.headers}
 
 
 class ChatContext:
@@ -64,24 +85,24 @@ class ChatContext:
     ``status(code, text)`` sends a status event on a streamed reply.
     """
 
-    __slots__ = ("_shared", "plugin", "state")
+    __slots__ = ("_req", "plugin", "state")
 
-    def __init__(self, shared: _Shared, plugin: Any = None) -> None:
-        self._shared = shared
+    def __init__(self, req: RequestState, plugin: Any = None) -> None:
+        self._req = req
         self.plugin = plugin
         self.state: dict[str, Any] = {}
 
-    route = property(lambda self: self._shared.route)
-    surface = property(lambda self: self._shared.surface)
-    streamed = property(lambda self: self._shared.streamed)
-    caller = property(lambda self: self._shared.caller)
-    host = property(lambda self: self._shared.host)
-    request = property(lambda self: self._shared.request)
-    model = property(lambda self: self._shared.model)
+    route = property(lambda self: self._req.route)
+    surface = property(lambda self: self._req.surface)
+    streamed = property(lambda self: self._req.streamed)
+    caller = property(lambda self: self._req.caller)
+    host = property(lambda self: self._req.host)
+    request = property(lambda self: self._req.request)
+    model = property(lambda self: self._req.model)
 
     @property
     def owner_tag(self) -> str:
-        caller = self._shared.caller
+        caller = self._req.caller
         return caller.owner_tag if caller is not None else "owner"
 
     def use(self, *fields: str) -> None:
@@ -91,7 +112,7 @@ class ChatContext:
         for name in fields:
             if not isinstance(name, str) or not name:
                 raise TypeError("context.use takes field names (non-empty strings)")
-        self._shared.claims.update(fields)
+        self._req.claims.update(fields)
 
     def header(self, name: str, value: str) -> None:
         """Add a response header. Once a streamed reply is open its headers are sent, so a
@@ -99,13 +120,12 @@ class ChatContext:
         fields as ``localm_headers``."""
         if not isinstance(name, str) or not isinstance(value, str):
             raise TypeError("context.header takes a name and a value, both strings")
-        shared = self._shared
-        (shared.late_headers if shared.opened else shared.headers)[name] = value
+        self._req.header(name, value)
 
     @property
     def fields(self) -> Any:
         """The fields added to the response so far, by every plugin (read-only; add with ``field``)."""
-        return types.MappingProxyType(self._shared.fields)
+        return types.MappingProxyType(self._req.fields)
 
     def field(self, name: str, value: Any) -> None:
         """Add a field to the response: in the body of a whole reply, in one last chunk (the
@@ -113,14 +133,14 @@ class ChatContext:
         must be JSON-serialisable; a name the surface already uses is left to the surface."""
         if not isinstance(name, str) or not name:
             raise TypeError("context.field takes a name (a non-empty string) and a value")
-        self._shared.fields[name] = value
+        self._req.fields[name] = value
 
     def status(self, code: str, text: str) -> None:
         """Send a status event (``status_code`` and ``status`` on the OpenAI routes) in a
         streamed reply; from chat_inlet it is sent as the stream opens."""
         if not isinstance(code, str) or not isinstance(text, str):
             raise TypeError("context.status takes a code and a text, both strings")
-        self._shared.statuses.append(pipeline.Status(code, text))
+        self._req.statuses.append(pipeline.Status(code, text))
 
     # the context was a dict with "route" once: context["route"] and context.get("route") still read
     def __getitem__(self, key: str) -> Any:
@@ -155,10 +175,8 @@ class Chain:
     """One request's chat hooks: each implementation with its plugin's view of the context."""
 
     def __init__(self, host: Any, *, route: str, streamed: bool, caller: Any) -> None:
-        #: where the request (as the inlet hooks left it) holds image or audio parts
-        self.media: list[str] = []
-        self.shared = _Shared(host, route, streamed, caller)
-        self.context = ChatContext(self.shared)
+        self.state = RequestState(host, route, streamed, caller)
+        self.context = ChatContext(self.state)
         views: dict[str, ChatContext] = {}
 
         def bind(hook: str) -> list[tuple[Any, ChatContext]]:
@@ -166,7 +184,7 @@ class Chain:
             for impl in host.hooks(hook):
                 view = views.get(impl.plugin)
                 if view is None:
-                    view = views[impl.plugin] = ChatContext(self.shared, impl.context)
+                    view = views[impl.plugin] = ChatContext(self.state, impl.context)
                 out.append((impl, view))
             return out
 
@@ -177,7 +195,7 @@ class Chain:
 
     @property
     def claims(self) -> set[str]:
-        return self.shared.claims
+        return self.state.claims
 
     # --- inlet ------------------------------------------------------------------------
     async def inlet(self, request: dict[str, Any], check: Any = None) -> tuple[dict[str, Any], list[str], Any]:
@@ -189,7 +207,7 @@ class Chain:
         checked = None
         for impl, context in self.inlets:
             before = copy.deepcopy(request)
-            self.shared.request = request
+            self.state.request = request
             out = await impl(request=request, context=context)
             if out is not None:
                 if not isinstance(out, dict):
@@ -203,7 +221,7 @@ class Chain:
                     except Unreadable as exc:
                         raise impl.failed(ValueError(f"chat_inlet returned a request that cannot be read: {exc}")) \
                             from None
-        self.shared.request = request
+        self.state.request = request
         return request, changed_by, checked
 
     # --- stream -----------------------------------------------------------------------
@@ -285,7 +303,7 @@ class Chain:
 
     def statuses(self) -> list[pipeline.Status]:
         """Status events the hooks asked for since the last call."""
-        out, self.shared.statuses = self.shared.statuses, []
+        out, self.state.statuses = self.state.statuses, []
         return out
 
 

@@ -104,7 +104,6 @@ class Generation:
     plan: pipeline.Plan
     common: Common
     options: Options
-    headers: dict[str, str]  # response headers every surface sends (seed echo, constraint, ignored fields, hooks)
     model: str  # the model name to show: the one asked for, or the model that answers
     received: float  # time.perf_counter() when the request arrived
     chain: hooks.Chain  # this request's chat hooks
@@ -112,9 +111,6 @@ class Generation:
     messages: list[dict[str, Any]] | None = None  # the messages after the inlet hooks (chat only)
     outcome: pipeline.Outcome = attrs.Factory(pipeline.Outcome)
     reads: list[tuple[Any, Any]] = attrs.Factory(list)  # (ActivationRead, done) from forward_interventions
-    #: fields added to the response: by the chat hooks (context.field) and, when the
-    #: generation ends, by the forward_interventions readers
-    extra: dict[str, Any] = attrs.Factory(dict)
     #: the model held since the request was prepared (released when the generation ends), so
     #: an unload cannot begin between the checks and the first token
     hold: Any = None
@@ -125,6 +121,17 @@ class Generation:
     def context(self) -> hooks.ChatContext:
         """The request's chat context (what the chat hooks saw)."""
         return self.chain.context
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers every surface sends (seed echo, constraint, ignored fields, hooks')."""
+        return self.chain.state.headers
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The fields added to the response: by the chat hooks (context.field, a header added
+        once a stream was open) and, when the generation ends, by the forward_interventions readers."""
+        return self.chain.state.fields
 
     async def _generate(self) -> AsyncIterator[pipeline.Status | pipeline.Piece | pipeline.Reasoning | pipeline.Call]:
         """The engine's items; when they end (or the client leaves), the request log's line
@@ -198,7 +205,7 @@ class Generation:
         hooks' status events first); when the reply ends the chat_outlet hooks run on the whole
         message as it was sent, and the text or reasoning they append is sent last."""
         chain = self.chain
-        chain.shared.opened = True
+        chain.state.opened = True
         said_text: list[str] = []
         said_reasoning: list[str] = []
         calls: list[dict[str, Any]] = []
@@ -239,8 +246,6 @@ class Generation:
                 yield status
             for item in _appended(message, text, reasoning):
                 yield item
-        if chain.shared.late_headers:
-            self.extra["localm_headers"] = dict(chain.shared.late_headers)
 
     async def reply(self) -> Reply:
         """The whole reply (for a non-streaming request), after the chat_outlet hooks."""
@@ -620,7 +625,7 @@ class ChatService:
         hooked, changed_by, checked = await chain.inlet(self._hooked(body, asked.extra, kind, chain), check)
         if changed_by:
             parsed, media = checked
-        chain.media = media
+        chain.state.media = media
         found = self._resolve(asked, parsed.common.model)
         steering = await self._interventions(hooked, found)
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
@@ -725,19 +730,17 @@ class ChatService:
         if steering.items or steering.reads:
             raise sdk.LocalmError(400, f"{entry.id} cannot be steered", code="field_not_honoured",
                                   field=min(steering.fields) if steering.fields else "steering")
-        body = copy.deepcopy(chain.shared.request)
+        body = copy.deepcopy(chain.state.request)
         body["model"], body["stream"] = entry.id, common.stream
-        shared = chain.shared
-        headers.update(shared.headers)
-        shared.headers = headers
-        shared.model = entry.id
+        chain.state.answer_with(headers)
+        chain.state.model = entry.id
         shown = common.model if common.model not in (None, "", "localm") else entry.id
         return Generation(host=self.host, entry=entry, prompt=[], fingerprint=fingerprint(entry, engine),
                           plan=pipeline.Plan(chat=spec.ChatInput(body=body, context=chain.context),
                                              logprobs=options.logprobs, tools=options.tools,
                                              num_ctx=common.num_ctx, background=common.background),
-                          common=common, options=options, headers=headers, model=shown, received=received,
-                          chain=chain, request=chat_request, extra=shared.fields)
+                          common=common, options=options, model=shown, received=received,
+                          chain=chain, request=chat_request)
 
     async def _prepare(self, chat_request: ChatRequest, entry: Any, common: Common, options: Options, render: Any,
                        headers: dict[str, str], received: float, chain: hooks.Chain, steering: Interventions,
@@ -760,8 +763,9 @@ class ChatService:
                 if common.stream:
                     await generation.prime()
                 return generation
-            if chain.media:
-                raise sdk.LocalmError(400, f"{chain.media[0]}: this model takes text only", param=chain.media[0])
+            if chain.state.media:
+                media = chain.state.media[0]
+                raise sdk.LocalmError(400, f"{media}: this model takes text only", param=media)
             constraint = options.constraint()
             if constraint is not None:
                 if not caps.grammar:
@@ -811,11 +815,9 @@ class ChatService:
         if options.fmt is not None or options.grammar is not None:
             label = options.fmt.label if options.fmt is not None else "grammar"
             headers.update({"X-Localm-Constrained": label, "X-miLLM-Constrained": label})
-        shared = chain.shared
-        headers.update(shared.headers)
-        shared.headers = headers  # from here a hook's header goes straight into the response's
-        shared.model = entry.id
+        chain.state.answer_with(headers)
+        chain.state.model = entry.id
         shown = common.model if common.model not in (None, "", "localm") else entry.id
         return Generation(host=host, entry=entry, prompt=prompt, fingerprint=fingerprint(entry, engine), plan=plan,
-                          common=common, options=options, headers=headers, model=shown, received=received,
-                          chain=chain, request=chat_request, reads=list(steering.reads), extra=shared.fields, hold=hold)
+                          common=common, options=options, model=shown, received=received,
+                          chain=chain, request=chat_request, reads=list(steering.reads), hold=hold)
