@@ -24,7 +24,7 @@ from localm.kernel.errors import LocalmError
 from .chat import Origins
 
 __all__ = ["STRICT_HEADERS", "IGNORED_HEADERS", "HEADER_MAX_BYTES", "strict_mode", "report_ignored",
-           "ignored_header_value", "Invalid", "Reader"]
+           "ignored_header_value", "Invalid", "Reader", "convert"]
 
 #: The strict-mode request headers, in the order they are read (the first one sent decides).
 STRICT_HEADERS = ("x-localm-strict", "x-millm-strict")
@@ -142,3 +142,52 @@ class Reader:
     def done(self) -> None:
         if self.errors:
             raise Invalid(self.errors)
+
+
+# --- a body read by the schema that documents it ---------------------------------------------
+
+_KINDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+          "object": "an object", "array": "a list", "null": "null"}
+
+
+def _plain(message: str) -> tuple[str, str]:
+    """(where, what) from a msgspec validation message, in the words of localm's other refusals."""
+    import re
+
+    where = ""
+    found = re.search(r" - at `\$(.*)`$", message)
+    if found:
+        message, where = message[:found.start()], found.group(1).lstrip(".")
+        where = re.sub(r"\.(\w+)", r".\1", where)
+    missing = re.fullmatch(r"Object missing required field `(.+)`", message)
+    if missing:
+        name = f"{where}.{missing.group(1)}" if where else missing.group(1)
+        return name, f"{name} is required"
+    typed = re.fullmatch(r"Expected `(.+?)`, got `(.+?)`", message)
+    if typed:
+        wanted = " or ".join(_KINDS.get(k.strip(), k.strip()) for k in typed.group(1).split("|")
+                             if k.strip() != "null")
+        return where, f"{where or 'the body'} must be {wanted}, not {_KINDS.get(typed.group(2), typed.group(2))}"
+    if re.fullmatch(r"Expected `str` (of length >= 1|matching regex '\\\\S')", message):
+        return where, f"{where} must not be empty"
+    bounded = re.fullmatch(r"Expected `(\w+)` (.+)", message)  # a bound: ">= 1", "of length <= 200"
+    if bounded:
+        kind = bounded.group(1)
+        return where, f"{where or 'the body'} must be {_KINDS.get(kind, kind)} {bounded.group(2)}"
+    return where, f"{where or 'the body'}: {message[0].lower()}{message[1:]}"
+
+
+def convert(body: Any, schema: type, *, code: str | None = None) -> Any:
+    """``body`` (a decoded JSON body) as an instance of ``schema``, the msgspec ``Struct`` the
+    route names as its ``body=``: one model both documents the body in the OpenAPI document
+    and checks it, so the two cannot disagree. Fields the schema does not name are left out
+    (report them with :func:`report_ignored`). A field of the wrong type or shape, or one
+    missing, is a 400 naming it (``field``), as the client spelled it."""
+    import msgspec
+
+    try:
+        return msgspec.convert(body, schema, strict=True)
+    except msgspec.ValidationError as exc:
+        where, what = _plain(str(exc))
+        extra = {"field": where} if where else {}
+        raise LocalmError(400, what, code=code, **extra) from None

@@ -63,6 +63,14 @@ async def _body(request: sdk.Request) -> dict[str, Any]:
     return await sdk.json_body(request, missing="missing request body")
 
 
+def _named(body: Any) -> str:
+    """The model a body checked by its schema names (model, or name: the older spelling)."""
+    name = body.model if body.model is not None else body.name
+    if name is None:
+        raise sdk.LocalmError(400, "model is required", field="model")
+    return name
+
+
 def _model_name(body: dict[str, Any]) -> str:
     name = body.get("model")
     if name is None:
@@ -413,9 +421,8 @@ async def ps_route(request: sdk.Request) -> dict[str, Any]:
           body=schema.OllamaShowRequest, errors=schema.MODEL_ERRORS)
 async def show_route(request: sdk.Request) -> dict[str, Any]:
     host = sdk.host_of(request)
-    body = await _body(request)
-    field(body, "verbose", (bool,), "true or false", False)
-    entry = resolve(host, _model_name(body))
+    body = sdk.fields.convert(await _body(request), schema.OllamaShowRequest)
+    entry = resolve(host, _named(body))
     resident = host.models.resident.get(entry.id)
     window = resident.engine.capabilities.context_window if resident is not None else None
     return info.show(entry, window or None)
@@ -439,11 +446,12 @@ def _pull_failure(exc: Exception, source: str, redact: Any) -> sdk.LocalmError:
 async def pull_route(request: sdk.Request) -> Any:
     host = sdk.host_of(request)
     redact = host.chat.redact
-    body = await _body(request)
-    source = _model_name(body)
-    stream = field(body, "stream", (bool,), "true or false", True)
-    ignored = [k for k, v in body.items() if k not in ("model", "name", "stream", "insecure") and translate.present(v)]
-    if body.get("insecure"):
+    raw = await _body(request)
+    body = sdk.fields.convert(raw, schema.OllamaPullRequest)
+    source = _named(body)
+    stream = body.stream is not False
+    ignored = [k for k, v in raw.items() if k not in ("model", "name", "stream", "insecure") and translate.present(v)]
+    if body.insecure:
         ignored.append("insecure")  # nothing is fetched from a registry
     headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)
     events = host.models.pull(source).__aiter__()
@@ -475,13 +483,9 @@ async def pull_route(request: sdk.Request) -> Any:
           body=schema.OllamaCopyRequest, errors={**schema.MODEL_ERRORS, 409: "The new name is taken"})
 async def copy_route(request: sdk.Request) -> sdk.Response:
     host = sdk.host_of(request)
-    body = await _body(request)
-    source = field(body, "source", (str,), "a string")
-    destination = field(body, "destination", (str,), "a string")
-    if not source or not destination:
-        raise sdk.LocalmError(400, "source and destination are required")
-    entry = resolve(host, source)
-    host.models.copy(entry.id, _untagged(destination))
+    body = sdk.fields.convert(await _body(request), schema.OllamaCopyRequest)
+    entry = resolve(host, body.source)
+    host.models.copy(entry.id, _untagged(body.destination))
     return _empty()
 
 
@@ -490,8 +494,8 @@ async def copy_route(request: sdk.Request) -> sdk.Response:
             body=schema.OllamaModelRequest, errors=schema.MODEL_ERRORS)
 async def delete_route(request: sdk.Request) -> sdk.Response:
     host = sdk.host_of(request)
-    body = await _body(request)
-    entry = resolve(host, _model_name(body))
+    body = sdk.fields.convert(await _body(request), schema.OllamaModelRequest)
+    entry = resolve(host, _named(body))
     await host.models.remove(entry.id)
     return _empty()
 

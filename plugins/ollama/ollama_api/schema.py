@@ -1,7 +1,9 @@
 """The request bodies of the Ollama routes, as the OpenAPI document describes them (``body=``).
 
-The routes read their bodies themselves (translate.py); these models document that reading
-and its bounds. A field not listed is named in ``X-Localm-Ignored-Fields`` (or refused with
+The generation routes read their bodies themselves (translate.py: they translate them into a
+chat request, whose reader checks them); these models document that reading and its bounds.
+The model routes (show, pull, copy, delete) read theirs with these models
+(``sdk.fields.convert``), so what the document says is what is checked. A field not listed is named in ``X-Localm-Ignored-Fields`` (or refused with
 ``X-Localm-Strict``). Every refusal on these routes is a 400 ``{"error": "..."}`` (Ollama
 answers a too-large or ill-typed body with a 400 too), an unknown model a 404.
 """

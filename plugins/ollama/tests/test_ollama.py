@@ -297,6 +297,31 @@ def test_pull_failures(owner: Any, tmp_path: Path) -> None:
     assert (err.status_code, err.error) == (500, "bad.gguf is not a GGUF file")
 
 
+def test_the_model_routes_check_what_their_schema_documents(server: LocalmServer) -> None:
+    """show, pull, copy and delete read their bodies with the models the OpenAPI document shows:
+    a field of the wrong type, a missing or empty name is a 400 naming the field."""
+    owner = {"Authorization": f"Bearer {server.token}"}
+
+    def call(method: str, path: str, body: Any) -> httpx.Response:
+        return httpx.request(method, server.url + path, json=body, headers=owner)
+
+    cases = [("POST", "/api/copy", {"source": 1, "destination": "b"}, "source must be a string, not an integer"),
+             ("POST", "/api/copy", {"source": MODEL}, "destination is required"),
+             ("POST", "/api/copy", {"source": MODEL, "destination": " "}, "destination must not be empty"),
+             ("POST", "/api/show", {"model": MODEL, "verbose": "yes"}, "verbose must be true or false, not a string"),
+             ("POST", "/api/show", {"name": ["x"]}, "name must be a string, not a list"),
+             ("POST", "/api/show", {}, "model is required"),
+             ("POST", "/api/pull", {"model": "x", "stream": 1}, "stream must be true or false, not an integer"),
+             ("DELETE", "/api/delete", [MODEL], "The body must be a JSON object")]
+    for method, path, body, error in cases:
+        r = call(method, path, body)
+        assert (r.status_code, r.json()) == (400, {"error": error}), (path, body)
+    documented = httpx.get(server.url + "/openapi/openapi.json", headers=owner).json()["components"]["schemas"]
+    assert documented["OllamaCopyRequest"]["required"] == ["source", "destination"]
+    assert documented["OllamaShowRequest"]["properties"]["verbose"]["anyOf"][0]["type"] == "boolean"
+    assert call("POST", "/api/show", {"name": MODEL}).status_code == 200  # name: the older spelling
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 def test_error_shapes(server: LocalmServer, client: Any) -> None:
