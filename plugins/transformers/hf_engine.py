@@ -17,6 +17,16 @@ when it ends: no hook is ever installed for a request without them, and embeddin
 scores (which run on the same thread, in turn) never meet one. The prompt cache is reused
 only by a request with the same interventions as the one that filled it, and never by a
 request with reads.
+
+A vision-language folder (its config has a ``vision_config``) loads with its processor
+(``AutoProcessor``) and its architecture's class (``AutoModelForImageTextToText`` when
+transformers lacks the named one). Its ``media_marker`` is the token its chat template writes
+for an image part; ``media_tokens`` runs the processor on that marker and the picture (once
+per digest) and keeps the expansion (the image token repeated, with any tokens the
+architecture puts around it) and the pixel inputs; ``generate`` puts each expansion at its
+MediaSpan and passes the pixels on the prefill pass that holds the picture, so the model
+computes what ``processor(text, images)`` then ``model(**inputs)`` would. The prompt cache
+compares a picture by its digest, and steering hooks the text decoder's layers.
 """
 
 from __future__ import annotations
@@ -581,6 +591,12 @@ class TransformersEngine:
                 return candidate
         return None
 
+    def _blind(self) -> str:
+        """Why this model takes no media."""
+        if self._vision:
+            return f"{self._name} has a vision tower, but its chat template writes no image token: it serves text only"
+        return f"{self._name} does not see images or hear sound"
+
     async def media_tokens(self, media: spec.Media) -> int:
         """How many positions ``media`` takes: the length of the processor's expansion of one
         marker with this picture. The picture is decoded and preprocessed here, off the event
@@ -592,7 +608,7 @@ class TransformersEngine:
         """``media`` encoded (from the kept ones when its digest is there); EngineError
         ``invalid_media`` for a sound, a file that is no picture, or a model that does not see."""
         if not self.capabilities.vision:
-            raise spec.EngineError(f"{self._name} does not see images", code="invalid_media")
+            raise spec.EngineError(self._blind(), code="invalid_media")
         if media.kind != "image":
             raise spec.EngineError(f"{self._name} sees images; it does not take {media.kind}", code="invalid_media")
         digest = media.digest or hashlib.sha256(media.data).hexdigest()
@@ -626,8 +642,7 @@ class TransformersEngine:
         positions, so two pictures never share a cached prefix), and where each picture sits.
         A ValueError or EngineError says why the media cannot be placed."""
         if not self.capabilities.vision:
-            raise ValueError(f"{self._name} does not see images or hear sound; this request holds "
-                             f"{len(request.media)} media part(s)")
+            raise ValueError(f"{self._blind()}; this request holds {len(request.media)} media part(s)")
         prompt = list(request.prompt)
         ids: list[int] = []
         keys: list[Any] = []
@@ -745,8 +760,9 @@ class TransformersEngine:
             try:
                 if start <= 0:
                     raise ValueError("nothing to reuse")
-                if cache.get_seq_length() > start:
-                    cache.crop(start)
+                held = cache.get_seq_length()
+                if held > start:  # a negative count removes that many: transformers 4 and 5 both read it so
+                    cache.crop(start - held)
             except Exception:  # an uncroppable cache (sliding windows) starts over
                 start, cache = 0, None
         if not reuse or cache is None or start == 0:
