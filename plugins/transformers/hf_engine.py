@@ -428,7 +428,7 @@ class TransformersEngine:
         self._keep_kwarg = "logits_to_keep" if "logits_to_keep" in params else (
             "num_logits_to_keep" if "num_logits_to_keep" in params else None)
         self._cache: Any = None  # the KV cache of the last request and the tokens it holds
-        self._cached: list[int] = []
+        self._cached: list[Any] = []  # token ids; (digest, i) at a picture's positions
         self._cache_key: tuple = ()  # the interventions the cache was computed with
         self._serial = spec.Serial("transformers", initializer=torch.set_num_threads, initargs=(self._threads,))
         # a fast tokenizer is not safe to use from two threads at once (its truncation settings
@@ -738,9 +738,10 @@ class TransformersEngine:
         return out.logits[0, -1].float()
 
     def _prefill(self, prompt: list[int], reuse: bool, cancel: threading.Event, key: tuple = (),
-                 keys: list[Any] | None = None, placed: Sequence[_Placed] = ()) -> Any:
-        """Logits after ``prompt``, reusing the cached prefix of the last request when allowed
-        and computed with the same interventions (``key``); None when cancelled first. With
+                 keys: list[Any] | None = None, placed: Sequence[_Placed] = ()) -> tuple[Any, int]:
+        """Logits after ``prompt`` (None when cancelled first) and how many of its positions came
+        from the cache: the cached prefix of the last request is reused when allowed and computed
+        with the same interventions (``key``). With
         pictures (``placed``), ``keys`` is what the cache compares (see ``_layout``): a picture is
         computed whole, in the forward pass that holds all of its positions, from its pixels."""
         keys = list(keys) if keys is not None else prompt
@@ -772,7 +773,7 @@ class TransformersEngine:
         at = start
         while at < len(prompt):
             if cancel.is_set():
-                return None
+                return None, start
             end = min(at + self._n_batch, len(prompt))
             for p in placed:  # a chunk ends after a picture, never inside one
                 if p.start < end < p.end:
@@ -781,7 +782,7 @@ class TransformersEngine:
             logits = self._forward(prompt[at:end], cache, extra=extra)
             self._cached = keys[:end]
             at = end
-        return logits
+        return logits, start
 
     def _decode(self, request: spec.GenerateRequest, cancel: threading.Event,
                 emit: Callable[[spec.Event], None]) -> None:
@@ -831,8 +832,8 @@ class TransformersEngine:
         prefix = read = 0  # incremental detokenization window over ``generated``
         try:
             with torch.inference_mode(), hooks:
-                logits = self._prefill(prompt, request.cache_prompt and not request.reads, cancel,
-                                       steering.key if steering else (), keys, placed)
+                logits, cached = self._prefill(prompt, request.cache_prompt and not request.reads, cancel,
+                                               steering.key if steering else (), keys, placed)
                 while True:
                     if cancel.is_set() or logits is None:
                         reason = "cancelled"
@@ -879,7 +880,8 @@ class TransformersEngine:
         first = first or ended
         emit(spec.Finished(reason=reason, prompt_tokens=len(prompt), completion_tokens=n,
                            prompt_seconds=first - started, generate_seconds=ended - first, error=error,
-                           activations=steering.activations(self._hidden or 0) if steering else None))
+                           activations=steering.activations(self._hidden or 0) if steering else None,
+                           cached_tokens=cached))
 
     def _pick(self, logits: Any, history: list[int], s: spec.Sampling, generator: Any,
               masker: spec.TokenMasker | None = None) -> int:

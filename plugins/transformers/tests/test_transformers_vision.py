@@ -234,16 +234,25 @@ def test_vision_media_on_a_text_only_model_is_an_error(tmp_path: Path) -> None:
 def test_vision_a_follow_up_turn_matches_a_fresh_prompt(engine: Any) -> None:
     """The second turn starts with the first one's prompt (its picture included): resumed from
     the prompt cache or computed afresh, its distribution is the same."""
-    def turn(**kwargs: Any) -> dict[int, float]:
-        first = request(engine, [png_bytes(4)])
-        reply = engine.tokenize("a red square\n", add_special=False)
-        more = engine.tokenize("user: and now?\nassistant:", add_special=False)
+    first = request(engine, [png_bytes(4)])
+    reply = engine.tokenize("a red square\n", add_special=False)
+    more = engine.tokenize("user: and now?\nassistant:", add_special=False)
+    positions = len(first.prompt) + IMAGE_TOKENS
+
+    def turn(**kwargs: Any) -> tuple[dict[int, float], int]:
         req = spec.GenerateRequest(prompt=first.prompt + tuple(reply + more), media=first.media,
                                    sampling=spec.Sampling(temperature=0, max_tokens=1), logprobs=VOCAB_ALL, **kwargs)
-        return dict(next(e for e in collect(engine, req) if isinstance(e, spec.Token)).top)
+        events = collect(engine, req)
+        return dict(next(e for e in events if isinstance(e, spec.Token)).top), events[-1].cached_tokens
 
+    fresh, none = turn(cache_prompt=False)
     first_distribution(engine, [png_bytes(4)])  # fills the cache with the first turn
-    assert largest_gap(turn(), turn(cache_prompt=False)) < 1e-6
+    resumed, cached = turn()
+    assert cached >= positions and none == 0  # the first turn, its picture included, came from the cache
+    assert largest_gap(resumed, fresh) < 1e-6
+    at = first.media[0].at
+    other = request(engine, [png_bytes(5)], sampling=spec.Sampling(temperature=0, max_tokens=1))
+    assert collect(engine, other)[-1].cached_tokens == at  # resumed where the pictures differ
 
 
 def test_vision_a_template_without_image_parts_serves_text_only(tmp_path: Path) -> None:
