@@ -430,6 +430,7 @@ class TransformersEngine:
         self._cache: Any = None  # the KV cache of the last request and the tokens it holds
         self._cached: list[Any] = []  # token ids; (digest, i) at a picture's positions
         self._cache_key: tuple = ()  # the interventions the cache was computed with
+        self._prompt_logits: tuple[tuple, Any] | None = None  # the last prompt's keys and the logits after it
         self._serial = spec.Serial("transformers", initializer=torch.set_num_threads, initargs=(self._threads,))
         # a fast tokenizer is not safe to use from two threads at once (its truncation settings
         # are mutable state): the event loop and the worker take turns
@@ -748,6 +749,8 @@ class TransformersEngine:
         start = 0
         cache = self._cache
         reuse = reuse and key == self._cache_key
+        if reuse and cache is not None and (kept := self._repeat(keys, cache)) is not None:
+            return kept, len(prompt)
         if reuse and cache is not None:
             common = 0
             for a, b in zip(self._cached, keys):
@@ -782,7 +785,25 @@ class TransformersEngine:
             logits = self._forward(prompt[at:end], cache, extra=extra)
             self._cached = keys[:end]
             at = end
+        self._prompt_logits = (tuple(keys), logits.clone()) if logits is not None else None
         return logits, start
+
+    def _repeat(self, keys: list[Any], cache: Any) -> Any:
+        """The last prompt's own logits when ``keys`` is that prompt again (a regenerated reply): the
+        cache is cut back to it and nothing runs, so the reply draws from the very numbers a fresh
+        prompt gives (recomputing its last token alone would differ in float32's last bits).
+        None when it is another prompt."""
+        kept = self._prompt_logits
+        if kept is None or kept[0] != tuple(keys) or self._cached[:len(keys)] != keys:
+            return None
+        try:
+            held = cache.get_seq_length()
+            if held > len(keys):
+                cache.crop(len(keys) - held)
+        except Exception:  # an uncroppable cache: computed afresh
+            return None
+        self._cached = list(keys)
+        return kept[1].clone()
 
     def _decode(self, request: spec.GenerateRequest, cancel: threading.Event,
                 emit: Callable[[spec.Event], None]) -> None:

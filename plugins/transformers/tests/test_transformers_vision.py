@@ -157,6 +157,18 @@ def test_vision_different_pictures_differ_and_one_picture_repeats(engine: Any) -
     assert largest_gap(one, other) > 1e-3
     assert largest_gap(other, first_distribution(engine, [png_bytes(2)], cache_prompt=False)) < 1e-6
     assert largest_gap(one, first_distribution(engine, [png_bytes(1)])) < 1e-6
+    assert largest_gap(one, first_distribution(engine, [png_bytes(1)])) == 0.0  # the same prompt again: kept logits
+
+
+def test_vision_the_same_prompt_again_comes_whole_from_the_cache(engine: Any) -> None:
+    def run() -> tuple[list[int], int, int]:
+        req = request(engine, [png_bytes(6)], sampling=spec.Sampling(temperature=1.0, seed=11, max_tokens=6))
+        events = collect(engine, req)
+        return [e.id for e in events if isinstance(e, spec.Token)], events[-1].cached_tokens, events[-1].prompt_tokens
+
+    first, _, _ = run()
+    again, cached, positions = run()
+    assert again == first and cached == positions == len(request(engine, [png_bytes(6)]).prompt) + IMAGE_TOKENS
     assert largest_gap(first_distribution(engine, [png_bytes(1), png_bytes(2)]),
                        first_distribution(engine, [png_bytes(2), png_bytes(1)])) > 1e-4  # order counts
 
