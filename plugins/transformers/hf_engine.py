@@ -17,14 +17,27 @@ when it ends: no hook is ever installed for a request without them, and embeddin
 scores (which run on the same thread, in turn) never meet one. The prompt cache is reused
 only by a request with the same interventions as the one that filled it, and never by a
 request with reads.
+
+A vision-language folder (its config has a ``vision_config``) loads with its processor
+(``AutoProcessor``) and its architecture's class (``AutoModelForImageTextToText`` when
+transformers lacks the named one). Its ``media_marker`` is the token its chat template writes
+for an image part; ``media_tokens`` runs the processor on that marker and the picture (once
+per digest) and keeps the expansion (the image token repeated, with any tokens the
+architecture puts around it) and the pixel inputs; ``generate`` puts each expansion at its
+MediaSpan and passes the pixels on the prefill pass that holds the picture, so the model
+computes what ``processor(text, images)`` then ``model(**inputs)`` would. The prompt cache
+compares a picture by its digest, and steering hooks the text decoder's layers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import gc
+import hashlib
 import inspect
+import io
 import json
 import math
 import os
@@ -242,6 +255,86 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _vision_class(transformers: Any, folder: str) -> Any:
+    """The class that loads a vision-language folder: its declared architecture when transformers
+    has it (the exact head the weights were saved from), else AutoModelForImageTextToText."""
+    archs = (_read_json(Path(folder) / "config.json") or {}).get("architectures") or []
+    for name in archs:
+        found = getattr(transformers, name, None) if isinstance(name, str) else None
+        if found is not None and hasattr(found, "from_pretrained"):
+            return found
+    return transformers.AutoModelForImageTextToText
+
+
+#: How many encoded pictures an engine keeps (by digest) for the generations that follow.
+MEDIA_KEPT = 16
+#: Keys of a processor's output that run along the token sequence, not along the pictures.
+_TEXT_KEYS = ("input_ids", "attention_mask")
+
+
+def _picture(data: bytes) -> Any:
+    """An encoded image file as an RGB PIL image, read whole (a truncated file fails here, not in
+    the model); anything PIL cannot read is ``invalid_media``."""
+    from PIL import Image
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except Exception as exc:  # noqa: BLE001 - PIL raises many kinds for a bad file
+        raise spec.EngineError(f"The image could not be decoded: {_first_line(exc, 200)}",
+                               code="invalid_media") from exc
+
+
+@attrs.frozen(eq=False)
+class _Encoded:
+    """One picture as the processor prepares it: ``ids``, the tokens its marker expands to (the
+    image token repeated, and for some architectures text tokens around or between tiles);
+    ``aligned``, inputs that run along those tokens (token type ids: 1-D, ``len(ids)`` long);
+    ``inputs``, the rest (pixel values, image sizes, pixel masks), batched along dim 0."""
+
+    digest: str
+    ids: tuple[int, ...]
+    aligned: dict[str, Any]
+    inputs: dict[str, Any]
+    picture: Any
+
+
+class _MediaCache:
+    """Encoded pictures by digest, the most recent MEDIA_KEPT: ``media_tokens`` fills it on the
+    event loop's side, ``generate`` reads it on the worker thread (and encodes a picture it lacks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[str, _Encoded] = {}
+
+    def get(self, digest: str) -> _Encoded | None:
+        with self._lock:
+            found = self._kept.pop(digest, None)
+            if found is not None:
+                self._kept[digest] = found  # most recently used last
+            return found
+
+    def put(self, digest: str, encoded: _Encoded) -> None:
+        with self._lock:
+            self._kept.pop(digest, None)
+            self._kept[digest] = encoded
+            while len(self._kept) > MEDIA_KEPT:
+                self._kept.pop(next(iter(self._kept)))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+
+@attrs.frozen(eq=False)
+class _Placed:
+    """A picture in a generation's full sequence: positions ``start`` .. ``end`` (exclusive)."""
+
+    start: int
+    end: int
+    encoded: _Encoded
+
+
 class TransformersEngine:
     engine = "transformers"
 
@@ -268,10 +361,17 @@ class TransformersEngine:
         self.reranker = role == "reranker"
         if self.reranker:
             self._check_classifier(kind, folder)
+        # a vision-language folder (its config has a vision tower) loads with its processor
+        self._vision = role == "chat" and kind != "gguf" and "vision_config" in (
+            _read_json(Path(folder) / "config.json") or {})
+        self._processor: Any = None
         missing: list[str] = []
         try:
             with _quick_gguf_load() if kind == "gguf" else contextlib.nullcontext():
-                self.tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
+                if self._vision:
+                    self._processor = transformers.AutoProcessor.from_pretrained(folder, **kwargs)
+                self.tokenizer = getattr(self._processor, "tokenizer", None) \
+                    or transformers.AutoTokenizer.from_pretrained(folder, **kwargs)
                 self.model = self._load_model(transformers, folder, kwargs, settings["attention"], missing)
         except Exception as exc:
             raise spec.EngineError(f"transformers could not load {name}: "
@@ -281,9 +381,11 @@ class TransformersEngine:
                                    code="no_classifier_head")
         self.model.eval()
         config = self.model.config
-        native = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-                  or getattr(config, "max_sequence_length", None))
-        template = getattr(self.tokenizer, "chat_template", None)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        native = next((getattr(c, name, None) for c in (text_config, config)  # a VLM's window is its text model's
+                       for name in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                       if getattr(c, name, None)), None)
+        template = getattr(self.tokenizer, "chat_template", None) or getattr(self._processor, "chat_template", None)
         if isinstance(template, dict):  # several named templates: the default one renders chats
             template = template.get("default") or next(iter(template.values()), None)
         self.template = template if isinstance(template, str) and template else None
@@ -300,12 +402,16 @@ class TransformersEngine:
         else:
             window = min(settings["n_ctx"], native) if isinstance(native, int) and native > 0 else settings["n_ctx"]
         causal = role == "chat"
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._layers = _decoder_layers(self.model) if causal else None
         hidden = getattr(text_config, "hidden_size", None)
         self._hidden = hidden if isinstance(hidden, int) else None
         count = len(self._layers) if self._layers is not None else getattr(text_config, "num_hidden_layers", None)
+        self._media = _MediaCache()
+        marker = self._image_marker() if self._vision else None
+        if marker is not None:
+            self.media_marker = marker  # only a model that sees is a MediaEngine
         self.capabilities = spec.Capabilities(
+            vision=marker is not None,
             interventions=self._layers is not None and self._hidden is not None,
             hidden_size=self._hidden, layers=count if isinstance(count, int) else None,
             context_window=window, chat_template=bool(self.template), embeddings=not self.reranker,
@@ -322,8 +428,9 @@ class TransformersEngine:
         self._keep_kwarg = "logits_to_keep" if "logits_to_keep" in params else (
             "num_logits_to_keep" if "num_logits_to_keep" in params else None)
         self._cache: Any = None  # the KV cache of the last request and the tokens it holds
-        self._cached: list[int] = []
+        self._cached: list[Any] = []  # token ids; (digest, i) at a picture's positions
         self._cache_key: tuple = ()  # the interventions the cache was computed with
+        self._prompt_logits: tuple[tuple, Any] | None = None  # the last prompt's keys and the logits after it
         self._serial = spec.Serial("transformers", initializer=torch.set_num_threads, initargs=(self._threads,))
         # a fast tokenizer is not safe to use from two threads at once (its truncation settings
         # are mutable state): the event loop and the worker take turns
@@ -356,6 +463,8 @@ class TransformersEngine:
         """The model; for a reranker, ``missing`` gets the classifier-head weights the files lack."""
         if self.reranker:
             load = transformers.AutoModelForSequenceClassification
+        elif self._vision:
+            load = _vision_class(transformers, folder)
         else:
             load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
         dtype = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
@@ -466,6 +575,131 @@ class TransformersEngine:
             raise sdk.LocalmError(400, f"The chat template could not render these messages: {_first_line(exc)}",
                                   code="chat_template_error") from exc
 
+    # --- pictures ------------------------------------------------------------------------
+    def _image_marker(self) -> str | None:
+        """The text the chat template writes for one image part and the processor expands: the
+        processor's begin-of-image token where it has one (Gemma 3's template writes that), else
+        its image token. None when the template writes neither exactly once for an image part:
+        the model then serves text only (``capabilities.vision`` False)."""
+        probe = [{"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "image"},
+                                              {"type": "text", "text": "B"}]}]
+        try:
+            rendered = self.render_chat(probe)
+        except sdk.LocalmError:
+            return None
+        for candidate in (getattr(self._processor, "boi_token", None), getattr(self._processor, "image_token", None)):
+            if isinstance(candidate, str) and candidate and rendered.count(candidate) == 1:
+                return candidate
+        return None
+
+    def _blind(self) -> str:
+        """Why this model takes no media."""
+        if self._vision:
+            return f"{self._name} has a vision tower, but its chat template writes no image token: it serves text only"
+        return f"{self._name} does not see images or hear sound"
+
+    async def media_tokens(self, media: spec.Media) -> int:
+        """How many positions ``media`` takes: the length of the processor's expansion of one
+        marker with this picture. The picture is decoded and preprocessed here, off the event
+        loop, and kept by digest for the generation that follows."""
+        encoded = await asyncio.to_thread(self._encoded, media)
+        return len(encoded.ids)
+
+    def _encoded(self, media: spec.Media) -> _Encoded:
+        """``media`` encoded (from the kept ones when its digest is there); EngineError
+        ``invalid_media`` for a sound, a file that is no picture, or a model that does not see."""
+        if not self.capabilities.vision:
+            raise spec.EngineError(self._blind(), code="invalid_media")
+        if media.kind != "image":
+            raise spec.EngineError(f"{self._name} sees images; it does not take {media.kind}", code="invalid_media")
+        digest = media.digest or hashlib.sha256(media.data).hexdigest()
+        found = self._media.get(digest)
+        if found is None:
+            found = self._encode(digest, _picture(media.data))
+            self._media.put(digest, found)
+        return found
+
+    def _encode(self, digest: str, picture: Any) -> _Encoded:
+        """The processor's own preparation of one picture behind one marker, so that the ids and
+        pixel values are exactly those of the processor path."""
+        torch = self._torch
+        try:
+            with self._tokenizing:
+                out = self._processor(text=self.media_marker, images=[picture], add_special_tokens=False,
+                                      return_tensors="pt")
+        except Exception as exc:  # noqa: BLE001 - a picture the processor refuses (too small, odd mode)
+            raise spec.EngineError(f"The image could not be prepared for {self._name}: {_first_line(exc, 200)}",
+                                   code="invalid_media") from exc
+        ids = out["input_ids"]
+        aligned = {key: value[0] for key, value in out.items()
+                   if key.endswith("token_type_ids") and torch.is_tensor(value) and value.shape == ids.shape}
+        inputs = {key: value for key, value in out.items() if key not in _TEXT_KEYS and key not in aligned}
+        return _Encoded(digest=digest, ids=tuple(int(i) for i in ids[0]), aligned=aligned, inputs=inputs,
+                        picture=picture)
+
+    def _layout(self, request: spec.GenerateRequest) -> tuple[list[int], list[Any], list[_Placed]]:
+        """A request's full sequence: its token ids with each picture's expansion at its span, the
+        keys the prompt cache compares (a text token's id; ``(digest, i)`` at a picture's
+        positions, so two pictures never share a cached prefix), and where each picture sits.
+        A ValueError or EngineError says why the media cannot be placed."""
+        if not self.capabilities.vision:
+            raise ValueError(f"{self._blind()}; this request holds {len(request.media)} media part(s)")
+        prompt = list(request.prompt)
+        ids: list[int] = []
+        keys: list[Any] = []
+        placed: list[_Placed] = []
+        at = 0
+        for span in request.media:
+            if not at <= span.at <= len(prompt):
+                raise ValueError(f"A media span sits at {span.at}: spans must be in order, within the prompt")
+            encoded = self._encoded(span.media)
+            if span.tokens != len(encoded.ids):
+                raise ValueError(f"This picture takes {len(encoded.ids)} positions in {self._name}, "
+                                 f"not {span.tokens}")
+            ids += prompt[at:span.at]
+            keys += prompt[at:span.at]
+            placed.append(_Placed(len(ids), len(ids) + len(encoded.ids), encoded))
+            ids += encoded.ids
+            keys += [(encoded.digest, i) for i in range(len(encoded.ids))]
+            at = span.at
+        return ids + prompt[at:], keys + prompt[at:], placed
+
+    def _pixel_inputs(self, pictures: list[_Encoded]) -> dict[str, Any]:
+        """The per-picture inputs of ``pictures`` as one batch, as the processor gives them for a
+        prompt that holds them all: concatenated along dim 0 when their shapes agree, else
+        (a varying number of tiles) batched by the processor itself."""
+        torch = self._torch
+        if len(pictures) == 1:
+            return dict(pictures[0].inputs)
+        merged: dict[str, Any] = {}
+        for key in pictures[0].inputs:
+            parts = [p.inputs.get(key) for p in pictures]
+            if not all(torch.is_tensor(x) for x in parts) or len({tuple(x.shape[1:]) for x in parts}) != 1:
+                break
+            merged[key] = torch.cat(parts, dim=0)
+        else:
+            return merged
+        with self._tokenizing:
+            out = self._processor(text=self.media_marker * len(pictures), images=[p.picture for p in pictures],
+                                  add_special_tokens=False, return_tensors="pt")
+        return {key: value for key, value in out.items()
+                if key not in _TEXT_KEYS and not key.endswith("token_type_ids")}
+
+    def _chunk_inputs(self, placed: list[_Placed], length: int, at: int, end: int) -> dict[str, Any]:
+        """What a prefill forward over positions ``at`` .. ``end`` passes besides the ids: the
+        pixel inputs of the pictures inside it, and the token-aligned inputs (0 at text)."""
+        torch = self._torch
+        inside = [p.encoded for p in placed if at <= p.start and p.end <= end]
+        extra = self._pixel_inputs(inside) if inside else {}
+        for key in {key for p in placed for key in p.encoded.aligned}:
+            sample = next(p.encoded.aligned[key] for p in placed if key in p.encoded.aligned)
+            row = torch.zeros(length, dtype=sample.dtype)
+            for p in placed:
+                if key in p.encoded.aligned:
+                    row[p.start:p.end] = p.encoded.aligned[key]
+            extra[key] = row[at:end].unsqueeze(0)
+        return extra
+
     # --- generation --------------------------------------------------------------------
     @property
     def busy(self) -> int:
@@ -496,45 +730,80 @@ class TransformersEngine:
         except TypeError:  # transformers before 4.56
             return DynamicCache()
 
-    def _forward(self, ids: list[int], cache: Any, last_only: bool = True) -> Any:
+    def _forward(self, ids: list[int], cache: Any, last_only: bool = True, extra: dict[str, Any] | None = None) -> Any:
         torch = self._torch
-        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True, **(extra or {})}
         if last_only and self._keep_kwarg:
             kwargs[self._keep_kwarg] = 1
         out = self.model(torch.tensor([ids], dtype=torch.long), **kwargs)
         return out.logits[0, -1].float()
 
-    def _prefill(self, prompt: list[int], reuse: bool, cancel: threading.Event, key: tuple = ()) -> Any:
-        """Logits after ``prompt``, reusing the cached prefix of the last request when allowed
-        and computed with the same interventions (``key``); None when cancelled first."""
+    def _prefill(self, prompt: list[int], reuse: bool, cancel: threading.Event, key: tuple = (),
+                 keys: list[Any] | None = None, placed: Sequence[_Placed] = ()) -> tuple[Any, int]:
+        """Logits after ``prompt`` (None when cancelled first) and how many of its positions came
+        from the cache: the cached prefix of the last request is reused when allowed and computed
+        with the same interventions (``key``). With
+        pictures (``placed``), ``keys`` is what the cache compares (see ``_layout``): a picture is
+        computed whole, in the forward pass that holds all of its positions, from its pixels."""
+        keys = list(keys) if keys is not None else prompt
         start = 0
         cache = self._cache
         reuse = reuse and key == self._cache_key
+        if reuse and cache is not None and (kept := self._repeat(keys, cache)) is not None:
+            return kept, len(prompt)
         if reuse and cache is not None:
             common = 0
-            for a, b in zip(self._cached, prompt):
+            for a, b in zip(self._cached, keys):
                 if a != b:
                     break
                 common += 1
             start = min(common, len(prompt) - 1)  # at least one token runs, for its logits
+            for p in placed:  # never resume inside a picture: its features come from its pixels at once
+                if p.start < start < p.end:
+                    start = p.start
             try:
                 if start <= 0:
                     raise ValueError("nothing to reuse")
-                if cache.get_seq_length() > start:
-                    cache.crop(start)
+                held = cache.get_seq_length()
+                if held > start:  # a negative count removes that many: transformers 4 and 5 both read it so
+                    cache.crop(start - held)
             except Exception:  # an uncroppable cache (sliding windows) starts over
                 start, cache = 0, None
         if not reuse or cache is None or start == 0:
             start, cache = 0, self._new_cache()
-        self._cache, self._cached, self._cache_key = cache, prompt[:start], key
+        self._cache, self._cached, self._cache_key = cache, keys[:start], key
         logits = None
-        for at in range(start, len(prompt), self._n_batch):
+        at = start
+        while at < len(prompt):
             if cancel.is_set():
-                return None
-            chunk = prompt[at:at + self._n_batch]
-            logits = self._forward(chunk, cache)
-            self._cached = prompt[:at + len(chunk)]
-        return logits
+                return None, start
+            end = min(at + self._n_batch, len(prompt))
+            for p in placed:  # a chunk ends after a picture, never inside one
+                if p.start < end < p.end:
+                    end = p.end
+            extra = self._chunk_inputs(list(placed), len(prompt), at, end) if placed else None
+            logits = self._forward(prompt[at:end], cache, extra=extra)
+            self._cached = keys[:end]
+            at = end
+        self._prompt_logits = (tuple(keys), logits.clone()) if logits is not None else None
+        return logits, start
+
+    def _repeat(self, keys: list[Any], cache: Any) -> Any:
+        """The last prompt's own logits when ``keys`` is that prompt again (a regenerated reply): the
+        cache is cut back to it and nothing runs, so the reply draws from the very numbers a fresh
+        prompt gives (recomputing its last token alone would differ in float32's last bits).
+        None when it is another prompt."""
+        kept = self._prompt_logits
+        if kept is None or kept[0] != tuple(keys) or self._cached[:len(keys)] != keys:
+            return None
+        try:
+            held = cache.get_seq_length()
+            if held > len(keys):
+                cache.crop(len(keys) - held)
+        except Exception:  # an uncroppable cache: computed afresh
+            return None
+        self._cached = list(keys)
+        return kept[1].clone()
 
     def _decode(self, request: spec.GenerateRequest, cancel: threading.Event,
                 emit: Callable[[spec.Event], None]) -> None:
@@ -549,6 +818,14 @@ class TransformersEngine:
         if not prompt:
             emit(spec.Finished(reason="error", prompt_tokens=0, completion_tokens=0, error="The prompt is empty"))
             return
+        keys: list[Any] | None = None
+        placed: list[_Placed] = []
+        if request.media:
+            try:
+                prompt, keys, placed = self._layout(request)
+            except (ValueError, spec.EngineError) as exc:
+                emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0, error=str(exc)))
+                return
         if len(prompt) >= self._n_ctx:
             emit(spec.Finished(reason="error", prompt_tokens=len(prompt), completion_tokens=0,
                                error=f"The prompt is {len(prompt)} tokens; the context window is {self._n_ctx}"))
@@ -576,8 +853,8 @@ class TransformersEngine:
         prefix = read = 0  # incremental detokenization window over ``generated``
         try:
             with torch.inference_mode(), hooks:
-                logits = self._prefill(prompt, request.cache_prompt and not request.reads, cancel,
-                                       steering.key if steering else ())
+                logits, cached = self._prefill(prompt, request.cache_prompt and not request.reads, cancel,
+                                               steering.key if steering else (), keys, placed)
                 while True:
                     if cancel.is_set() or logits is None:
                         reason = "cancelled"
@@ -624,7 +901,8 @@ class TransformersEngine:
         first = first or ended
         emit(spec.Finished(reason=reason, prompt_tokens=len(prompt), completion_tokens=n,
                            prompt_seconds=first - started, generate_seconds=ended - first, error=error,
-                           activations=steering.activations(self._hidden or 0) if steering else None))
+                           activations=steering.activations(self._hidden or 0) if steering else None,
+                           cached_tokens=cached))
 
     def _pick(self, logits: Any, history: list[int], s: spec.Sampling, generator: Any,
               masker: spec.TokenMasker | None = None) -> int:
@@ -771,6 +1049,8 @@ class TransformersEngine:
     def close(self) -> None:
         self._serial.close()
         self._cache, self._cached = None, []
+        self._media.clear()
+        self._processor = None
         self.model = None
         self.tokenizer = None
         gc.collect()
