@@ -367,3 +367,111 @@ def test_gguf_architecture_reads_only_the_header(tmp_path: Path) -> None:
     assert read(tmp_path / "m.gguf") == "llama"
     (tmp_path / "x.gguf").write_bytes(b"not a gguf")
     assert read(tmp_path / "x.gguf") is None and read(tmp_path / "absent.gguf") is None
+
+
+# --- a Gemma 3-style projector: text around the rows, read non-causally -------------------------
+
+def test_a_picture_wrapped_in_text_and_read_both_ways(tmp_path: Path) -> None:
+    model = model_folder(tmp_path / "model", kind="gemma3")
+    e = load(model, n_parallel=1)
+    try:
+        media = picture(71)
+        rows = tokens_per_image(kind="gemma3")
+        encoded = e._projector.encode(media)
+        assert [piece.embd is not None for piece in encoded.pieces] == [False, True, False]
+        assert encoded.pieces[1].non_causal and len(encoded.pieces[1].ids) == rows
+        assert e.detokenize([i for i in encoded.ids if i >= 0]) == "<start_of_image><end_of_image>"
+        count = run(e.media_tokens(media))
+        assert count == len(encoded.ids) > rows
+        fresh = {"sampling": GREEDY_ONE, "logprobs": 8, "cache_prompt": False}
+        one = first_top(e, Chat(e, QUESTION, media).request(e, **fresh))
+        assert one == first_top(e, Chat(e, QUESTION, media).request(e, **fresh))
+        assert one != first_top(e, Chat(e, QUESTION, picture(72)).request(e, **fresh))
+        warm = Chat(e, QUESTION, media, "Briefly.").request(e, sampling=GREEDY_ONE, logprobs=8)
+        generate(e, warm)
+        text, finished, tokens = generate(e, warm)
+        assert finished.cached_tokens == finished.prompt_tokens - 1
+        assert close_to(tokens[0].top, first_top(e, attrs_evolve(warm, cache_prompt=False)))
+    finally:
+        e.close()
+    # its rows must be decoded in one batch: a batch too small for them refuses the request
+    small = load(model, n_parallel=1, n_batch=2)
+    try:
+        _, finished, _ = generate(small, Chat(small, QUESTION, picture(71)).request(small, sampling=GREEDY_ONE))
+        assert finished.reason == "error" and "raise n_batch" in finished.error
+    finally:
+        small.close()
+
+
+def attrs_evolve(request: spec.GenerateRequest, **changes: Any) -> spec.GenerateRequest:
+    import attrs
+    return attrs.evolve(request, **changes)
+
+
+# --- llama-server reads the same files and says the same ---------------------------------------
+
+def llama_server_binary() -> Path:
+    """The llama-server bench/llama_server.py built for this llama-cpp-python (skip when it has
+    not been built: building it takes minutes)."""
+    import importlib.util
+    root = Path(__file__).resolve().parents[3]
+    spec_ = importlib.util.spec_from_file_location("localm_bench_llama_server", root / "bench" / "llama_server.py")
+    if spec_ is None or spec_.loader is None:
+        pytest.skip("bench/llama_server.py is missing")
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    binary = module.path()
+    if not binary.exists():
+        pytest.skip("llama-server is not built (python bench/llama_server.py builds it)")
+    return binary
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gemma3"])
+def test_llama_server_reads_the_projector_and_says_the_same(kind: str, tmp_path: Path) -> None:
+    import base64
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    binary = llama_server_binary()
+    model = model_folder(tmp_path / "model", projector=False)
+    projector = write_projector(tmp_path / f"mmproj-{kind}.gguf", kind=kind)
+    data = write_png(None, 81)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "llama-server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([str(binary), "-m", str(model), "--mmproj", str(projector), "-t", "1", "-c", "1024",
+                                   "--parallel", "1", "--host", "127.0.0.1", "--port", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        image = "data:image/png;base64," + base64.b64encode(data).decode()
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                                          {"type": "image_url", "image_url": {"url": image}}]}],
+                "max_tokens": 12, "temperature": 0}
+        upstream = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    finally:
+        server.terminate()
+        server.wait(10)
+    e = load(model, mmproj=str(projector), n_parallel=1)
+    try:
+        chat = Chat(e, QUESTION, spec.Media(kind="image", data=data))
+        text, finished, _ = generate(e, chat.request(e, sampling=spec.Sampling(temperature=0, max_tokens=12),
+                                                     cache_prompt=False))
+    finally:
+        e.close()
+    assert upstream["usage"]["prompt_tokens"] == finished.prompt_tokens
+    assert upstream["choices"][0]["message"]["content"] == text

