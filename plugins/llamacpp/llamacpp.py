@@ -488,6 +488,8 @@ class LlamaEngine:
             try:
                 fresh = self._new_context(self.llm.n_ctx())
             except Exception as exc:
+                if self._projector is not None:
+                    self._projector.close()
                 self.llm.close()
                 raise spec.EngineError(f"llama.cpp could not open {self._slots} slots of {self.llm.n_ctx()} tokens "
                                        f"for {name}: {exc}") from exc

@@ -209,7 +209,9 @@ class _Log:
     def __init__(self) -> None:
         from llama_cpp import llama_cpp
         from llama_cpp import mtmd_cpp
-        self.recent: collections.deque[str] = collections.deque(maxlen=16)
+        #: (sequence number, level, line) of the last warnings and errors
+        self.recent: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=32)
+        self.count = 0
         self._level = 0
 
         def receive(level: int, text: bytes, _user: Any) -> None:
@@ -217,16 +219,18 @@ class _Log:
             if level != _LOG_CONT:
                 self._level = level
             if self._level >= _LOG_WARN and line.strip():
-                self.recent.append(line.strip())
+                self.count += 1
+                self.recent.append((self.count, self._level, line.strip()))
             log.debug("mtmd: %s", line.rstrip())
         self._callback = llama_cpp.llama_log_callback(receive)
         mtmd_cpp.mtmd_helper_log_set(self._callback, None)  # also sets libmtmd's (and clip's) own
 
     def since(self, mark: int, path: str | Path | None = None) -> str:
-        """The warnings and errors logged after ``mark`` (a length of ``recent``), joined; a
-        path in them is shortened to its file name (errors never name absolute paths)."""
-        lines = list(self.recent)[mark:] if mark <= len(self.recent) else list(self.recent)
-        text = " ".join(line for line in lines if line)
+        """The errors logged after ``mark`` (a ``count``), or without any the warnings, joined;
+        a path in them is shortened to its file name (errors never name absolute paths)."""
+        lines = [(level, line) for number, level, line in self.recent if number > mark]
+        chosen = [line for level, line in lines if level >= _LOG_ERROR] or [line for _, line in lines]
+        text = " ".join(chosen)
         if path is not None:
             text = text.replace(str(path), os.path.basename(str(path)))
         return re.sub(r"\s+", " ", text).strip()
@@ -270,12 +274,16 @@ class Projector:
                                    + (f"; it says {arch})" if arch else ")"))
         self.width = width
         self.marker = new_marker()
+        self._ctx: Any = None
+        self._lock = threading.Lock()
+        self._kept: collections.OrderedDict[str, Encoded] = collections.OrderedDict()
+        self._kept_size = 0
         logs = _mtmd_log()
         params = mtmd.mtmd_context_params_default()
         params.n_threads = threads
         params.print_timings = False
         params.media_marker = self.marker.encode()
-        mark = len(logs.recent)
+        mark = logs.count
         self._ctx = mtmd.mtmd_init_from_file(str(self.path).encode(), model, params)
         if not self._ctx:
             why = logs.since(mark, self.path) or "libmtmd gave no reason"
@@ -288,9 +296,6 @@ class Projector:
         self.vision = bool(mtmd.mtmd_support_vision(self._ctx))
         self.audio = bool(mtmd.mtmd_support_audio(self._ctx))
         self.identity = _file_identity(self.path)
-        self._lock = threading.Lock()
-        self._kept: collections.OrderedDict[str, Encoded] = collections.OrderedDict()
-        self._kept_size = 0
 
     # --- encoding ----------------------------------------------------------------------------
     def encode(self, media: spec.Media) -> Encoded:
@@ -403,12 +408,12 @@ class Projector:
         return pieces
 
     def close(self) -> None:
-        with getattr(self, "_lock", threading.Lock()):
+        with self._lock:
             if self._ctx:
                 self._mtmd.mtmd_free(self._ctx)
             self._ctx = None
-            if hasattr(self, "_kept"):
-                self._kept.clear()
+            self._kept.clear()
+            self._kept_size = 0
 
 
 def expand(prompt: Sequence[int], spans: Sequence[spec.MediaSpan], encoded: Sequence[Encoded]) -> list[int]:
