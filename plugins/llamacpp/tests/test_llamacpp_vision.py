@@ -195,6 +195,31 @@ def test_a_follow_up_turn_reuses_the_pictures_rows(engine: Any) -> None:
     assert all(close_to(w.top, c.top) for w, c in zip(warm_tokens, cold_tokens))
 
 
+def test_a_conversation_with_a_picture_comes_back_from_host_memory(tmp_path: Path) -> None:
+    # one slot: a side request takes it, the conversation's state waits in host memory
+    e = load(model_folder(tmp_path / "model"), n_parallel=1, cache_ram_mb=64)
+    try:
+        notes = "Here are my notes. " + " ".join(f"Note {i} is about the trees in the park." for i in range(40))
+        # the text after the picture is long enough to be worth restoring (RESTORE_FROM)
+        question = "Which of my notes does this picture show? " * 10
+        chat_a, chat_b = (Chat(e, notes, picture(seed), question) for seed in (91, 92))
+        assert chat_a.at[0] > 256  # long enough to be kept when another request takes the slot
+        greedy = {"sampling": GREEDY_ONE, "logprobs": 8}
+        generate(e, chat_a.request(e, **greedy))
+        generate(e, Chat(e, "Something else entirely.").request(e, **greedy))
+        assert [len(entry.tokens) for entry in e._cache.entries] == [len(chat_a.prompt) + ROWS]  # A, picture and all
+        # B restores A's state only as far as the text they share: never A's picture
+        _, finished_b, tokens_b = generate(e, chat_b.request(e, **greedy))
+        assert finished_b.cached_tokens == chat_b.at[0]
+        # A's own state comes back whole
+        _, finished_a, tokens_a = generate(e, chat_a.request(e, **greedy))
+        assert finished_a.cached_tokens == finished_a.prompt_tokens - 1
+        assert close_to(tokens_a[0].top, first_top(e, chat_a.request(e, cache_prompt=False, **greedy)))
+        assert close_to(tokens_b[0].top, first_top(e, chat_b.request(e, cache_prompt=False, **greedy)))
+    finally:
+        e.close()
+
+
 def test_a_seed_repeats_a_reply_about_a_picture(engine: Any) -> None:
     chat = Chat(engine, QUESTION, picture(31))
     seeded = spec.Sampling(temperature=0.9, seed=7, max_tokens=12)
