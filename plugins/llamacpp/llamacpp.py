@@ -21,6 +21,7 @@ import struct
 import time
 import warnings
 from collections import deque
+from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 import attrs
@@ -28,6 +29,8 @@ import attrs
 from localm import sdk
 from localm.sdk import engines as spec
 from localm.sdk.storage import atomic_write_bytes
+
+from . import vision
 
 log = logging.getLogger("localm.plugin.llamacpp")
 
@@ -228,7 +231,7 @@ class _Sequence:
     """A request's state in the decode loop."""
 
     __slots__ = ("masker", "steer", "slot", "feed", "sampler", "decoder", "prompting", "n", "started", "first",
-                 "cached")
+                 "cached", "positions", "media")
 
     def __init__(self, masker: spec.TokenMasker | None, steer: _Steer | None = None) -> None:
         self.masker = masker
@@ -242,6 +245,15 @@ class _Sequence:
         self.started: float | None = None
         self.first: float | None = None
         self.cached = 0  # prompt tokens a cache held (a slot's or one restored from host memory)
+        #: With media: the prompt's positions, each media's ids in place (see vision.expand), and
+        #: for each of its rows' ids the piece and row that holds its embedding. None: text only.
+        self.positions: list[int] | None = None
+        self.media: dict[int, tuple[vision.Piece, int]] | None = None
+
+
+def _positions(request: spec.GenerateRequest) -> int:
+    """The positions a request's prompt takes: its tokens and its media's."""
+    return len(request.prompt) + sum(span.tokens for span in request.media) if request.media else len(request.prompt)
 
 
 #: A cached prefix this much longer than another slot's wins over keeping the busy slots in a row;
@@ -459,6 +471,16 @@ class LlamaEngine:
         self._reader: _Steer | None = None
         self._ggml: _Ggml | None = None
         self._callback: Any = None
+        #: The projector that places images and sounds in a prompt (None: this model takes none, for
+        #: the reason in _no_media), the marker a rendered chat holds where a message has one, and
+        #: the batch a media's rows are decoded in (made when the first is)
+        self._projector, self._no_media = (None, "it is a reranker") if self.reranker else \
+            self._open_projector(path, settings, threads)
+        self.media_marker = self._projector.marker if self._projector is not None else vision.new_marker()
+        self._media_batch: Any = None
+        if self._projector is not None:
+            self.capabilities = attrs.evolve(self.capabilities, vision=self._projector.vision,
+                                             audio=self._projector.audio)
         if self.reranker:
             self._queue = spec.Serial("llamacpp")
             self._n_ctx_slot = self._window
@@ -466,6 +488,8 @@ class LlamaEngine:
             try:
                 fresh = self._new_context(self.llm.n_ctx())
             except Exception as exc:
+                if self._projector is not None:
+                    self._projector.close()
                 self.llm.close()
                 raise spec.EngineError(f"llama.cpp could not open {self._slots} slots of {self.llm.n_ctx()} tokens "
                                        f"for {name}: {exc}") from exc
@@ -494,6 +518,33 @@ class LlamaEngine:
         self._threads = threads
         self._embedder: Any = None
         self._constrainer = spec.Constrainer(self._grammar_tokenizer, self.token_bytes)
+
+    def _open_projector(self, path: str, settings: dict[str, Any], threads: int) -> tuple[Any, str]:
+        """The projector for this model and, without one, why: the load option ``mmproj`` (a
+        path; False: none), else one found beside the model file (vision.find_projector). A
+        projector named by the option that cannot serve this model fails the load; one found
+        beside it is only skipped with a warning (a folder may hold another model's), and a
+        request with media is told why."""
+        import llama_cpp
+        chosen = settings.get("mmproj")
+        if chosen is False or chosen == "none":
+            return None, "its projector is turned off (mmproj: none)"
+        found = vision.find_projector(path) if not chosen else Path(str(chosen))
+        if found is None:
+            return None, "no projector (mmproj) was given for it or found beside it"
+        model = self.llm._model.model
+        width = (llama_cpp.llama_model_n_embd_inp(model) if hasattr(llama_cpp, "llama_model_n_embd_inp")
+                 else llama_cpp.llama_model_n_embd(model))
+        try:
+            if not found.is_file():
+                raise spec.EngineError(f"The projector {found.name} does not exist")
+            return vision.Projector(found, model, threads=threads, width=int(width)), ""
+        except spec.EngineError as exc:
+            if chosen:
+                self.llm.close()
+                raise
+            log.warning("%s: %s; it serves text only", os.path.basename(path), exc)
+            return None, str(exc)
 
     def _grammar_tokenizer(self) -> Any:
         """The llguidance tokenizer of this vocabulary; its end tokens are the model's end-of-generation ones."""
@@ -542,7 +593,28 @@ class LlamaEngine:
             raise sdk.LocalmError(400, "This model has no chat template: use /v1/completions",
                                   code="no_chat_template")
         self._formatter.add_generation_prompt = add_generation_prompt
+        # a content list (text, image and audio parts) is text with the media marker in it
+        if any(isinstance(m.get("content"), list) for m in messages):
+            messages = vision.flatten(messages, self.media_marker)
         return self._formatter(messages=messages, **(template_kwargs or {})).prompt
+
+    # --- media -------------------------------------------------------------------------
+    async def media_tokens(self, media: spec.Media) -> int:
+        """The positions ``media`` takes in a prompt: encoded now by the projector (off the event
+        loop, beside the running decodes) and kept for the generate that follows."""
+        import asyncio
+        projector = self._media_projector(media)
+        return (await asyncio.to_thread(projector.encode, media)).tokens
+
+    def _media_projector(self, media: spec.Media) -> Any:
+        """The projector that takes ``media``; EngineError when this model has none for its kind."""
+        projector = self._projector
+        if projector is None:
+            raise spec.EngineError(f"This model takes no images or sounds: {self._no_media}",
+                                   code="media_unsupported")
+        if (media.kind == "image" and not projector.vision) or (media.kind == "audio" and not projector.audio):
+            raise spec.EngineError(f"This model's projector does not take {media.kind}", code="media_unsupported")
+        return projector
 
     # --- generation --------------------------------------------------------------------
     @property
@@ -696,7 +768,9 @@ class LlamaEngine:
                 "sha256": sha256 or f"mtime:{stat.st_mtime_ns}", "arch": meta.get("general.architecture", ""),
                 "layers": self.capabilities.layers, "hidden": self.capabilities.hidden_size,
                 "vocab": self._n_vocab, "flash_attn": self._flash,
-                "llama_cpp": getattr(llama_cpp, "__version__", "")}
+                "llama_cpp": getattr(llama_cpp, "__version__", ""),
+                # a picture's cached rows are this projector's output
+                **({"mmproj": self._projector.identity} if self._projector is not None else {})}
 
     def _load_cache(self) -> None:
         """Read the persisted states, newest first, within the cache's budget. A file that is
@@ -872,7 +946,7 @@ class LlamaEngine:
     def _window_for(self, request: spec.GenerateRequest) -> int | None:
         """The window to open before ``request`` (None: the one open will do)."""
         current = self._n_ctx_slot
-        need = min(self._ctx_max, max(request.window or 0, len(request.prompt) + 1))
+        need = min(self._ctx_max, max(request.window or 0, _positions(request) + 1))
         if request.num_ctx:
             wanted = min(self._ctx_max, max(request.num_ctx, need, 256))
             return wanted if wanted != current else None
@@ -931,7 +1005,43 @@ class LlamaEngine:
             self._end(job, "error", refused)
             return
         job.state = _Sequence(masker, steer)
+        if request.media:
+            refused = self._place_media(job.state, request)
+            if refused is not None:
+                self._end(job, "error", refused)
+                return
         self._waiting.append(job)
+
+    def _place_media(self, seq: _Sequence, request: spec.GenerateRequest) -> str | None:
+        """Put the request's media in its prompt (``seq.positions``, ``seq.media``): each encoded
+        by now (media_tokens), else here. The refusal's message when it cannot be."""
+        spans = request.media
+        if any(not 0 <= span.at <= len(request.prompt) for span in spans) or \
+                any(a.at > b.at for a, b in zip(spans, spans[1:])):
+            return "The media spans must be in order, each within the prompt"
+        encoded = []
+        for span in spans:
+            try:
+                media = self._media_projector(span.media).encode(span.media)
+            except spec.EngineError as exc:
+                return str(exc)
+            if media.tokens != span.tokens:
+                return (f"A media span says it takes {span.tokens} positions; this model's projector gives "
+                        f"{media.tokens}")
+            encoded.append(media)
+        limit = min(self._n_batch, self._ubatch())
+        for media in encoded:
+            for piece in media.pieces:
+                if piece.non_causal and len(piece.ids) > limit:
+                    return (f"A picture takes {len(piece.ids)} positions, which this model reads in one batch; "
+                            f"the batch holds {limit} (raise n_batch)")
+        seq.positions = vision.expand(request.prompt, spans, encoded)
+        seq.media = {key: value for media in encoded for key, value in media.rows.items()}
+        return None
+
+    def _ubatch(self) -> int:
+        import llama_cpp
+        return int(llama_cpp.llama_n_ubatch(self.llm._ctx.ctx))
 
     def _take(self) -> None:
         """Move waiting requests into free slots, in order: each to the free slot whose cache
@@ -970,7 +1080,8 @@ class LlamaEngine:
                     continue
                 self._mode, self._mode_probe = key, probe
             self._waiting.popleft()
-            prompt = request.prompt
+            seq: _Sequence = job.state
+            prompt = request.prompt if seq.positions is None else seq.positions
             if not prompt:
                 self._end(job, "error", "The prompt is empty")
                 continue
@@ -994,9 +1105,10 @@ class LlamaEngine:
             else:
                 self._keep(slot, shared)
             shared = min(shared, len(prompt) - 1)  # the last prompt token is decoded again for its logits
+            if seq.media and 0 < shared < len(prompt) and prompt[shared] in seq.media:
+                shared -= seq.media[prompt[shared]][1]  # a picture is decoded from its first row
             self._forget(slot, max(shared, 0))
             self._slot_key[slot] = key
-            seq: _Sequence = job.state
             seq.cached = max(shared, 0)
             seq.slot = slot
             seq.feed = list(prompt[len(self._slot_tokens[slot]):])
@@ -1034,7 +1146,7 @@ class LlamaEngine:
             seq: _Sequence = job.state
             if not seq.prompting or not seq.feed:
                 continue
-            chunk = seq.feed[:self._n_batch]
+            chunk = seq.feed[:self._n_batch] if seq.media is None else self._media_chunk(seq)
             if len(chunk) > budget and budget < self._n_batch:  # the next step reads it whole
                 break
             groups.append([(job, chunk)])
@@ -1048,9 +1160,59 @@ class LlamaEngine:
         for group in groups:
             self._decode(group)
 
+    def _media_chunk(self, seq: _Sequence) -> list[int]:
+        """The next chunk of a prompt holding media: up to ``n_batch`` text tokens before the next
+        media row, or up to ``n_batch`` consecutive rows of one piece (a non-causal piece whole,
+        as _place_media checked it fits)."""
+        feed, media, limit = seq.feed, seq.media, self._n_batch
+        found = media.get(feed[0])
+        if found is None:
+            n = 0
+            for token in feed[:limit]:
+                if token < 0:
+                    break
+                n += 1
+            return feed[:n]
+        piece, row = found
+        return feed[:min(limit, len(piece.ids) - row)]
+
     def _decode(self, group: list[tuple[spec.Job, list[int]]]) -> None:
-        """Decode each job's ``tokens`` in one batch, then draw for each job whose feed that ends."""
+        """Decode each job's ``tokens`` in one batch, then draw for each job whose feed that ends.
+        A media's rows (negative ids, see _media_chunk) come in a group of their own."""
         import llama_cpp
+        if group[0][1][0] < 0:
+            batch, rows, reader, non_causal = self._fill_media(*group[0])
+        else:
+            batch, rows, reader, non_causal = self._fill_tokens(group)
+        self._reader = reader
+        ctx = self.llm._ctx.ctx
+        if non_causal:
+            llama_cpp.llama_set_causal_attn(ctx, False)
+        try:
+            status = llama_cpp.llama_decode(ctx, batch)
+        finally:
+            self._reader = None
+            if non_causal:
+                llama_cpp.llama_set_causal_attn(ctx, True)
+        if status == 0 and reader is not None and reader.error:
+            status = reader.error
+        if status != 0:
+            for job, _ in group:
+                self._forget(job.state.slot)
+                self._end(job, "error", f"llama.cpp could not decode the batch (status {status})"
+                          if isinstance(status, int) else f"llama.cpp could not steer this request: {status}")
+            return
+        for job, take in group:
+            seq = job.state
+            self._slot_tokens[seq.slot].extend(take)
+            del seq.feed[:len(take)]
+        for job, row in rows:
+            self._draw(job, row)
+
+    def _fill_tokens(self, group: list[tuple[spec.Job, list[int]]]) -> tuple[Any, list[tuple[spec.Job, int]],
+                                                                          _Steer | None, bool]:
+        """The token batch of ``group``: the batch, the rows to draw after (a job whose feed it
+        ends), the probe reading it (None) and False (causal)."""
         batch = self._batch
         n = 0
         rows: list[tuple[spec.Job, int]] = []
@@ -1073,25 +1235,36 @@ class LlamaEngine:
                 batch.logits[n - 1] = True
                 rows.append((job, n - 1))
         batch.n_tokens = n
-        self._reader = reader
-        try:
-            status = llama_cpp.llama_decode(self.llm._ctx.ctx, batch)
-        finally:
-            self._reader = None
-        if status == 0 and reader is not None and reader.error:
-            status = reader.error
-        if status != 0:
-            for job, _ in group:
-                self._forget(job.state.slot)
-                self._end(job, "error", f"llama.cpp could not decode the batch (status {status})"
-                          if isinstance(status, int) else f"llama.cpp could not steer this request: {status}")
-            return
-        for job, take in group:
-            seq = job.state
-            self._slot_tokens[seq.slot].extend(take)
-            del seq.feed[:len(take)]
-        for job, row in rows:
-            self._draw(job, row)
+        return batch, rows, reader, False
+
+    def _fill_media(self, job: spec.Job, take: list[int]) -> tuple[Any, list[tuple[spec.Job, int]],
+                                                                    _Steer | None, bool]:
+        """The embedding batch of ``take``: consecutive rows of one piece of a media (see
+        _media_chunk), at the slot's next positions, as _fill_tokens gives a token batch; the
+        last flag says the rows attend to each other both ways."""
+        import llama_cpp
+        seq: _Sequence = job.state
+        piece, first = seq.media[take[0]]
+        width = piece.embd.shape[1]
+        if self._media_batch is None:
+            self._media_batch = llama_cpp.llama_batch_init(self._n_batch, width, 1)
+        batch = self._media_batch
+        n = len(take)
+        ctypes.memmove(batch.embd, piece.embd[first:first + n].ctypes.data, n * width * 4)
+        pos = len(self._slot_tokens[seq.slot])
+        reader = seq.steer if seq.steer is not None and seq.steer.probe else None
+        every = reader is not None and reader.every_row
+        for i in range(n):
+            batch.pos[i] = pos + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq.slot
+            batch.logits[i] = every
+        rows = []
+        if n == len(seq.feed):  # a prompt that ends with a media: draw after its last row
+            batch.logits[n - 1] = True
+            rows.append((job, n - 1))
+        batch.n_tokens = n
+        return batch, rows, reader, piece.non_causal
 
     def _draw(self, job: spec.Job, row: int) -> None:
         """Draw the sequence's next token from its logits at batch row ``row`` and emit it."""
@@ -1121,7 +1294,8 @@ class LlamaEngine:
         if masker is not None and masker.finished:
             self._end(job, "stop")
         elif (request.sampling.max_tokens is not None and seq.n >= request.sampling.max_tokens) \
-                or len(request.prompt) + seq.n >= self._n_ctx_slot:
+                or (len(request.prompt) if seq.positions is None else len(seq.positions)) + seq.n \
+                >= self._n_ctx_slot:
             self._end(job, "length")
         else:
             seq.feed = [token]
@@ -1144,7 +1318,7 @@ class LlamaEngine:
             n, started = seq.n, seq.started or ended
             first = seq.first or ended
         activations = seq.steer.activations() if seq is not None and seq.steer is not None else None
-        job.emit(spec.Finished(reason=reason, prompt_tokens=len(job.request.prompt), completion_tokens=n,
+        job.emit(spec.Finished(reason=reason, prompt_tokens=_positions(job.request), completion_tokens=n,
                                prompt_seconds=max(0.0, first - started), generate_seconds=ended - first, error=error,
                                activations=activations, cached_tokens=seq.cached if seq is not None else 0))
 
@@ -1355,6 +1529,11 @@ class LlamaEngine:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
             self.llm._ctx.close()  # the slots' context (the one llama-cpp-python opened is closed already)
+        if self._media_batch is not None:
+            llama_cpp.llama_batch_free(self._media_batch)
+            self._media_batch = None
+        if self._projector is not None:  # before the model it reads
+            self._projector.close()
         for llm in (self.llm, self._embedder):
             if llm is not None and hasattr(llm, "close"):
                 llm.close()
