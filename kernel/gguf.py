@@ -1,7 +1,9 @@
-"""Read a GGUF file's metadata (key/value header) without loading the model."""
+"""Read a GGUF file's metadata (key/value header) without loading the model, and find the
+projector (mmproj) a model file is paired with."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -89,3 +91,98 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
               18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S",
               25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M",
               32: "BF16"}
+
+
+# --- projectors: the multimodal half of a vision (or audio) model --------------------------------
+
+#: The GGUF value types' sizes, and the string and array types, for skipping values unread.
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+#: A projector ("mmproj") GGUF's architecture: llama.cpp's multimodal encoders.
+PROJECTOR_ARCHITECTURE = "clip"
+
+
+def architecture(path: str | Path) -> str | None:
+    """A GGUF file's ``general.architecture`` (None when it is not a GGUF or does not say),
+    read from its header: nothing else of the file is read."""
+    def read(fh: Any, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        data = fh.read(size)
+        if len(data) != size:
+            raise ValueError("truncated")
+        return struct.unpack(fmt, data)[0]
+
+    def skip(fh: Any, kind: int) -> None:
+        if kind in _SIZES:
+            fh.seek(_SIZES[kind], 1)
+        elif kind == _STRING:
+            fh.seek(read(fh, "<Q"), 1)
+        elif kind == _ARRAY:
+            item, count = read(fh, "<I"), read(fh, "<Q")
+            if item in _SIZES:
+                fh.seek(_SIZES[item] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(fh, item)
+        else:
+            raise ValueError(f"unknown GGUF value type {kind}")
+
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                return None
+            read(fh, "<I")  # version
+            read(fh, "<Q")  # tensors
+            for _ in range(read(fh, "<Q")):
+                key_length = read(fh, "<Q")
+                if key_length > 1 << 16:
+                    return None
+                key = fh.read(key_length)
+                kind = read(fh, "<I")
+                if key == b"general.architecture" and kind == _STRING:
+                    return fh.read(read(fh, "<Q")).decode("utf-8", errors="replace")
+                skip(fh, kind)
+    except (OSError, ValueError, struct.error):
+        return None
+    return None
+
+
+def find_projector(model_path: str | Path) -> Path | None:
+    """The projector beside a model file, as llama.cpp's tools and model repositories name
+    it, or None: ``<stem>.mmproj*.gguf`` or ``<stem>-mmproj*.gguf`` (this model's own) first,
+    then ``mmproj*.gguf`` (one a folder: a repository's models share it), names compared
+    without case, each checked to be a GGUF whose architecture is ``clip``. Among several
+    of one kind the first by name wins (``mmproj-model-f16.gguf`` before ``-f32``), so the
+    same folder always gives the same answer."""
+    model = Path(model_path)
+    stem = model.name[:-5] if model.name.lower().endswith(".gguf") else model.stem
+    stem = stem.lower()
+    try:
+        names = sorted(entry.name for entry in os.scandir(model.parent) if entry.is_file())
+    except OSError:
+        return None
+    own, shared = [], []
+    for name in names:
+        lower = name.lower()
+        if not lower.endswith(".gguf") or name == model.name:
+            continue
+        if lower.startswith((f"{stem}.mmproj", f"{stem}-mmproj")):
+            own.append(name)
+        elif lower.startswith("mmproj"):
+            shared.append(name)
+    for name in own + shared:
+        if architecture(model.parent / name) == "clip":
+            return model.parent / name
+    return None
+
+
+def projector_capabilities(path: str | Path) -> dict[str, bool]:
+    """What a projector adds to its model: ``vision`` (it has an image encoder) and
+    ``audio_input`` (a sound encoder), from its header (an older projector, without the keys,
+    sees)."""
+    try:
+        meta = metadata(Path(path))
+    except (OSError, GGUFError, ValueError, struct.error):
+        return {"vision": False, "audio_input": False}
+    vision = meta.get("clip.has_vision_encoder")
+    return {"vision": bool(vision) if vision is not None else not meta.get("clip.has_audio_encoder"),
+            "audio_input": bool(meta.get("clip.has_audio_encoder"))}

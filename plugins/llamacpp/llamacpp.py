@@ -28,6 +28,7 @@ import attrs
 
 from localm import sdk
 from localm.sdk import engines as spec
+from localm.sdk.gguf import find_projector
 from localm.sdk.storage import atomic_write_bytes
 
 from . import vision
@@ -521,7 +522,7 @@ class LlamaEngine:
 
     def _open_projector(self, path: str, settings: dict[str, Any], threads: int) -> tuple[Any, str]:
         """The projector for this model and, without one, why: the load option ``mmproj`` (a
-        path; False: none), else one found beside the model file (vision.find_projector). A
+        path; False: none), else one found beside the model file (sdk.gguf.find_projector). A
         projector named by the option that cannot serve this model fails the load; one found
         beside it is only skipped with a warning (a folder may hold another model's), and a
         request with media is told why."""
@@ -529,7 +530,7 @@ class LlamaEngine:
         chosen = settings.get("mmproj")
         if chosen is False or chosen == "none":
             return None, "its projector is turned off (mmproj: none)"
-        found = vision.find_projector(path) if not chosen else Path(str(chosen))
+        found = find_projector(path) if not chosen else Path(str(chosen))
         if found is None:
             return None, "no projector (mmproj) was given for it or found beside it"
         model = self.llm._model.model
@@ -1548,6 +1549,9 @@ def register_settings(register):
 def register_engines(register, plugin):
     def load(entry: Any, options: dict[str, Any]) -> LlamaEngine:
         settings = {**plugin.settings, **options, "sha256": getattr(entry, "sha256", None)}
+        paired = (getattr(entry, "capabilities", None) or {}).get("projector")
+        if paired and "mmproj" not in options:  # registered with localm pull --mmproj
+            settings["mmproj"] = paired
         if settings.get("cache_persist"):
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in entry.id).lstrip(".") or "model"
             settings["cache_dir"] = str(plugin.data_dir / "prompt-cache" / name)

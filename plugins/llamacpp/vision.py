@@ -28,12 +28,12 @@ import logging
 import os
 import re
 import secrets
-import struct
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from localm.sdk import engines as spec
+from localm.sdk.gguf import architecture as gguf_architecture
 
 log = logging.getLogger("localm.plugin.llamacpp")
 
@@ -43,88 +43,11 @@ ID_SPAN = 1 << 62
 #: Encoded pictures kept for the generates that follow, within this many bytes of embeddings
 #: (the most recent always kept).
 ENCODED_BUDGET = 256 * 2**20
-#: The GGUF value types (their sizes), for reading a file's metadata without a GGUF library.
-_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
 #: ggml's log levels (ggml.h): a warning or an error is kept for the message of a failure.
 _LOG_WARN, _LOG_ERROR, _LOG_CONT = 3, 4, 5
 
 
 # --- where a projector comes from -------------------------------------------------------------
-
-def gguf_architecture(path: str | Path) -> str | None:
-    """A GGUF file's ``general.architecture`` (None when it is not a GGUF or does not say),
-    read from its header: nothing else of the file is read."""
-    def read(fh: Any, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        data = fh.read(size)
-        if len(data) != size:
-            raise ValueError("truncated")
-        return struct.unpack(fmt, data)[0]
-
-    def skip(fh: Any, kind: int) -> None:
-        if kind in _SCALARS:
-            fh.seek(_SCALARS[kind], 1)
-        elif kind == _STRING:
-            fh.seek(read(fh, "<Q"), 1)
-        elif kind == _ARRAY:
-            item, count = read(fh, "<I"), read(fh, "<Q")
-            if item in _SCALARS:
-                fh.seek(_SCALARS[item] * count, 1)
-            else:
-                for _ in range(count):
-                    skip(fh, item)
-        else:
-            raise ValueError(f"unknown GGUF value type {kind}")
-
-    try:
-        with open(path, "rb") as fh:
-            if fh.read(4) != b"GGUF":
-                return None
-            read(fh, "<I")  # version
-            read(fh, "<Q")  # tensors
-            for _ in range(read(fh, "<Q")):
-                key_length = read(fh, "<Q")
-                if key_length > 1 << 16:
-                    return None
-                key = fh.read(key_length)
-                kind = read(fh, "<I")
-                if key == b"general.architecture" and kind == _STRING:
-                    return fh.read(read(fh, "<Q")).decode("utf-8", errors="replace")
-                skip(fh, kind)
-    except (OSError, ValueError, struct.error):
-        return None
-    return None
-
-
-def find_projector(model_path: str | Path) -> Path | None:
-    """The projector beside a model file, as llama.cpp's tools and model repositories name
-    it, or None: ``<stem>.mmproj*.gguf`` or ``<stem>-mmproj*.gguf`` (this model's own) first,
-    then ``mmproj*.gguf`` (one a folder: a repository's models share it), names compared
-    without case, each checked to be a GGUF whose architecture is ``clip``. Among several
-    of one kind the first by name wins (``mmproj-model-f16.gguf`` before ``-f32``), so the
-    same folder always gives the same answer."""
-    model = Path(model_path)
-    stem = model.name[:-5] if model.name.lower().endswith(".gguf") else model.stem
-    stem = stem.lower()
-    try:
-        names = sorted(entry.name for entry in os.scandir(model.parent) if entry.is_file())
-    except OSError:
-        return None
-    own, shared = [], []
-    for name in names:
-        lower = name.lower()
-        if not lower.endswith(".gguf") or name == model.name:
-            continue
-        if lower.startswith((f"{stem}.mmproj", f"{stem}-mmproj")):
-            own.append(name)
-        elif lower.startswith("mmproj"):
-            shared.append(name)
-    for name in own + shared:
-        if gguf_architecture(model.parent / name) == "clip":
-            return model.parent / name
-    return None
-
 
 # --- the chat template -------------------------------------------------------------------------
 

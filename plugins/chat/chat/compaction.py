@@ -61,7 +61,11 @@ def reply_room(max_tokens: int | None, window: int) -> int:
 
 
 def _text(message: dict[str, Any]) -> str:
+    """A message as the summary reads it; an image or a sound in it is named, never split: a
+    message kept whole keeps its media, a summarised one leaves them out."""
     content = message.get("content") or ""
+    if isinstance(content, list):
+        content = "".join(p["text"] if p["type"] == "text" else f"[{p['type']}]" for p in content)
     calls = message.get("tool_calls") or []
     if calls:
         content = "\n".join([content, *(f"[called {c.get('name')} with {c.get('arguments')}]" for c in calls)])
@@ -172,7 +176,10 @@ class Compactor:
         note = f"{SUMMARY_HEAD}\n{summary.strip()}"
         if head:
             first = dict(head[0])
-            first["content"] = f"{first.get('content') or ''}\n\n{note}".lstrip()
+            if isinstance(first.get("content"), list):  # a system message with an image in it
+                first["content"] = [*first["content"], {"type": "text", "text": f"\n\n{note}"}]
+            else:
+                first["content"] = f"{first.get('content') or ''}\n\n{note}".lstrip()
             return [first, *head[1:]]
         return [{"role": "system", "content": note}]
 

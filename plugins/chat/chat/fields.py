@@ -38,7 +38,7 @@ DOCUMENT_USED = {"text"}
 MESSAGE_USED = {"role", "content", "untrusted_spans", "origin"}
 #: Message fields read for one role only.
 ROLE_USED = {"assistant": {"tool_calls"}, "tool": {"tool_call_id", "name"}}
-PART_USED = {"type", "text"}
+PART_USED = {"type", "text", "image_url", "input_audio"}
 #: A body's places as OpenAI names them (a request with no origins).
 OPENAI = Origins()
 

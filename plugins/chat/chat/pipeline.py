@@ -8,7 +8,7 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Sequence
 
 import attrs
 from localm import sdk
@@ -36,9 +36,33 @@ class Plan:
     window: int | None = None  # the window the prompt and its reply need (a growable engine opens it)
     num_ctx: int | None = None  # the window the client asked for
     background: bool = False  # a front end's background task: queued after interactive requests
+    #: the request's images and sounds by slot: (Media, the positions it takes); the prompt holds
+    #: each as a run of placeholder ids -(slot + 1) (see prompt.Prompt.tokens)
+    media: tuple[tuple[spec.Media, int], ...] = ()
 
 
 Outcome = chat_types.Outcome
+
+
+def media_spans(prompt: Sequence[int], media: Sequence[tuple[spec.Media, int]]
+                ) -> tuple[tuple[int, ...], tuple[spec.MediaSpan, ...]]:
+    """A prompt whose media are placeholder runs (``-(slot + 1)``, as many as the media takes) as
+    the engine takes it: the text's token ids, and a MediaSpan where each media sits."""
+    if not media:
+        return tuple(prompt), ()
+    ids: list[int] = []
+    spans: list[spec.MediaSpan] = []
+    i = 0
+    while i < len(prompt):
+        token = prompt[i]
+        if token >= 0:
+            ids.append(token)
+            i += 1
+            continue
+        item, tokens = media[-token - 1]
+        spans.append(spec.MediaSpan(at=len(ids), media=item, tokens=tokens))
+        i += tokens
+    return tuple(ids), tuple(spans)
 
 
 def redact(text: str) -> str:
@@ -224,7 +248,8 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
     splitter = Splitter(common.stops, reasoning=plan.reasoning, thinking_open=plan.thinking_open,
                         call_open=TOOL_OPEN if reading_calls else None, call_close=TOOL_CLOSE)
     ledger = _Ledger() if plan.logprobs is not None else None
-    request = spec.GenerateRequest(prompt=tuple(prompt), sampling=common.sampling, cache_prompt=common.cache_prompt,
+    ids, spans = media_spans(prompt, plan.media)
+    request = spec.GenerateRequest(prompt=ids, media=spans, sampling=common.sampling, cache_prompt=common.cache_prompt,
                                    constraint=plan.constraint, logprobs=plan.logprobs,
                                    interventions=plan.interventions, reads=plan.reads, chat=plan.chat,
                                    window=plan.window, num_ctx=plan.num_ctx, background=plan.background)

@@ -9,6 +9,11 @@
   rendered text is then tokenised piece by piece.
 - ``enable_thinking`` is handed to the template; a reasoning model whose template ignores
   it is given an empty ``<think>`` block to answer without reasoning.
+- An image or a sound (a media part, whose ``tokens`` and ``slot`` the chat service set) is
+  handed to the template as ``{"type": "image"}`` / ``{"type": "audio"}``; the engine's template
+  writes its ``media_marker`` there, and the prompt holds ``tokens`` placeholder ids
+  ``-(slot + 1)`` in its place, so counting the prompt counts the positions the media take.
+  :func:`localm.plugins.chat.pipeline.media_spans` turns them into the engine's MediaSpans.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from localm import sdk
 
 from .constrained import TOOL_CLOSE, TOOL_OPEN, tools_prompt
 
@@ -29,6 +36,18 @@ class Prompt:
 
     def __init__(self) -> None:
         self.untrusted: list[str] = []
+        self.media: list[dict[str, Any]] = []  # the media parts shown to the template, in order
+
+    def parts(self, content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A content list as the template sees it: text parts, and a bare part for each media."""
+        out = []
+        for part in content:
+            if part["type"] == "text":
+                out.append({"type": "text", "text": part["text"]})
+            else:
+                self.media.append(part)
+                out.append({"type": part["type"]})
+        return out
 
     def mark(self, text: str) -> str:
         self.untrusted.append(text)
@@ -49,7 +68,9 @@ class Prompt:
         names: dict[str, str] = {}
         for m in messages:
             content = m["content"]
-            if m.get("untrusted_spans"):
+            if isinstance(content, list):
+                content = self.parts(content)
+            elif m.get("untrusted_spans"):
                 content = self.spans(content, m["untrusted_spans"])
             if m["role"] == "tool":
                 name = m.get("name") or names.get(m.get("tool_call_id") or "")
@@ -71,11 +92,16 @@ class Prompt:
                     written = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
                     blocks.append(f'{TOOL_OPEN}\n{{"name": {json.dumps(call["name"])}, "arguments": {written}}}\n'
                                   f"{TOOL_CLOSE}")
-                content = "\n".join(x for x in (content, *blocks) if x)
+                if isinstance(content, list):
+                    content = [*content, {"type": "text", "text": "\n" + "\n".join(blocks)}]
+                else:
+                    content = "\n".join(x for x in (content, *blocks) if x)
             out.append({"role": m["role"], "content": content})
         if tools is not None and tools.choice != "none":
             described = tools_prompt(tools)
-            if out and out[0]["role"] == "system":
+            if out and out[0]["role"] == "system" and isinstance(out[0]["content"], list):
+                out[0]["content"] = [*out[0]["content"], {"type": "text", "text": f"\n\n{described}"}]
+            elif out and out[0]["role"] == "system":
                 out[0]["content"] = f"{out[0]['content']}\n\n{described}" if out[0]["content"] else described
             else:
                 out.insert(0, {"role": "system", "content": described})
@@ -84,13 +110,26 @@ class Prompt:
     def tokens(self, engine: Any, text: str) -> list[int]:
         ids: list[int] = []
         at = 0
-        for match in _MARK.finditer(text):
+        marks = _MARK
+        if self.media:  # the engine's template wrote its marker where each media part was
+            marks = re.compile(f"{_MARK.pattern}|(?P<media>{re.escape(engine.media_marker)})")
+        seen = 0
+        for match in marks.finditer(text):
             if match.start() > at:
                 ids += engine.tokenize(text[at:match.start()], add_special=not ids and at == 0, parse_special=True)
+            at = match.end()
+            if match.group(1) is None:  # a media marker
+                if seen < len(self.media):
+                    part = self.media[seen]
+                    ids += [-(part["slot"] + 1)] * part["tokens"]
+                seen += 1
+                continue
             piece = self.untrusted[int(match.group(1))]
             if piece:
                 ids += engine.tokenize(piece, add_special=False, parse_special=False)
-            at = match.end()
+        if seen != len(self.media):
+            raise sdk.LocalmError(400, f"This model's chat template placed {seen} of the request's {len(self.media)} "
+                                       "image or audio parts", code="chat_template_error")
         if at < len(text):
             ids += engine.tokenize(text[at:], add_special=not ids and at == 0, parse_special=True)
         return ids

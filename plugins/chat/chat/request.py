@@ -34,8 +34,9 @@ class Reader(_FieldReader):
     def __init__(self, body: Any, origins: Origins | None = None) -> None:
         super().__init__(body, origins)
         #: where the messages hold image or audio parts: a chat plugin may turn them into text
-        #: (a transcript), and what is left is refused once the model is known
+        #: (a transcript), and what is left goes to a model that sees or hears, or is refused
         self.media: list[str] = []
+        self.counted = sdk.media.Counter()  # the request's images and clips, bounded in number
 
 
 def read_common(r: Reader) -> Common:
@@ -168,15 +169,20 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
                                        "tool", param=where)
         content = m.get("content")
         if isinstance(content, list):
-            parts = []
+            parts: list[dict[str, Any]] = []
             for j, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
+                    parts.append({"type": "text", "text": part["text"]})
                 elif isinstance(part, dict) and part.get("type") in ("image_url", "input_audio"):
-                    r.media.append(r.name("messages", i, "content", j))
+                    if role == "tool":
+                        where = r.name("messages", i, "content", j)
+                        raise sdk.LocalmError(400, f"{where}: a tool result holds text only (send the image in "
+                                                   "a user message)", param=where)
+                    parts.append(_media_part(r, part, i, j))
                 else:
                     r.error("must be a text part", "messages", i, "content", j)
-            content = "".join(parts)
+            # text alone is one string, as it always was; with media, the parts in order
+            content = parts if any(p["type"] != "text" for p in parts) else "".join(p["text"] for p in parts)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
@@ -190,7 +196,9 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
             else:
                 message["origin"] = origin
         spans = m.get("untrusted_spans")
-        if spans is not None:
+        if spans is not None and isinstance(content, list):  # spans are offsets into one string
+            r.error("applies to a string content, not a list of parts", "messages", i, "untrusted_spans")
+        elif spans is not None:
             if not isinstance(spans, list) or not all(
                     isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
                                                                 for x in s) for s in spans):
@@ -207,6 +215,38 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
                     message[key] = m[key]
         out.append(message)
     return out
+
+
+def _media_part(r: Reader, part: dict[str, Any], i: int, j: int) -> dict[str, Any]:
+    """An image_url or input_audio part as the prompt keeps it: ``{"type": "image" | "audio",
+    "media": Media, "at": its place}``, every bound checked before anything decodes it."""
+    where = r.name("messages", i, "content", j)
+    r.media.append(where)
+    r.counted.add(where)
+    if part["type"] == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        return {"type": "image", "media": sdk.media.image_from_url(url, where), "at": where}
+    audio = part.get("input_audio")
+    if not isinstance(audio, dict):
+        raise sdk.LocalmError(400, f"{where}: an input_audio part needs an input_audio object with data and "
+                                   "format", code="invalid_audio", param=where)
+    fmt = audio.get("format")
+    return {"type": "audio", "media": sdk.media.audio_from_base64(audio.get("data"), fmt if isinstance(fmt, str)
+                                                                  else "", where), "at": where}
+
+
+def media_of(messages: list[dict[str, Any]]) -> list[Any]:
+    """The media parts of ``messages``, in order."""
+    return [part for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if part.get("type") in ("image", "audio")]
+
+
+def text_of(content: Any) -> str:
+    """A message's text: its string, or its text parts joined (its media left out)."""
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if p.get("type") == "text")
+    return content or ""
 
 
 def _read_calls(r: Reader, i: int, calls: Any) -> list[dict[str, Any]]:

@@ -88,6 +88,14 @@ def _is_one(value: Any) -> bool:
     return _is_int(value) and value == 1
 
 
+def _holds_media(body: dict[str, Any]) -> bool:
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in ("image_url", "input_audio") for p in m["content"])
+        for m in messages)
+
+
 def wanted(body: Any) -> bool:
     """Is this request body a scoring request? (Any JSON value; only an object can be.)"""
     if not isinstance(body, dict):
@@ -95,6 +103,8 @@ def wanted(body: Any) -> bool:
     if body.get("allowed_token_ids") is not None:
         return True  # streamed or not: a streamed one is refused by the scoring rule
     if body.get("stream") is True:
+        return False
+    if _holds_media(body):  # a picture is read by generating: a reply of one token with its log probabilities
         return False
     if not (_is_one(body.get("max_tokens")) or _is_one(body.get("max_completion_tokens"))):
         return False
@@ -265,6 +275,11 @@ def _prompt_tokens(engine: Any, ask: _Ask) -> list[list[int]]:
         prompts = [engine.tokenize(p, add_special=ask.add_special) for p in ask.prompts]
     else:  # rendered as for generation (untrusted spans, tool turns, thinking), no special tokens added
         from .prompt import chat_tokens
+        from .request import media_of
+        if media_of(ask.messages):
+            raise sdk.LocalmError(400, "allowed_token_ids scores text prompts: a request with an image or audio "
+                                       "part is answered by generating (without allowed_token_ids)", code=INVALID,
+                                  param="messages")
         prompts = [chat_tokens(_AsWritten(engine), ask.messages, thinking=ask.thinking)[0]]
     window = engine.capabilities.context_limit  # the window grows to score a longer prompt
     for i, ids in enumerate(prompts):

@@ -47,7 +47,7 @@ from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
 from .prompt import chat_tokens
-from .request import Common, Options, Reader, read_common, read_messages, read_options
+from .request import Common, Options, Reader, media_of, read_common, read_messages, read_options
 
 #: The response header that names a server-side reply cap applied to a request with none of its own.
 CAPPED = "X-Localm-Capped"
@@ -511,7 +511,7 @@ class ChatService:
             return prompt, opened
 
         generation = await self._prepare(asked, found, common, options, render, headers, received, chain, steering,
-                                         fit=fit if compact else None)
+                                         fit=fit if compact else None, media=media_of(messages))
         generation.messages = compacted[0] if compacted else messages
         return generation
 
@@ -709,6 +709,35 @@ class ChatService:
         return sdk.report_ignored(unused, headers, where, log=log)
 
     @staticmethod
+    async def _place_media(engine: Any, media: list[dict[str, Any]], places: list[str]
+                           ) -> tuple[tuple[spec.Media, int], ...]:
+        """Ask the engine how many positions each image or sound takes (it encodes them now),
+        numbering the parts for the prompt's placeholders: the Plan's media table. A model that
+        cannot see (or hear) what the request holds is a 400 naming the first such part."""
+        if not places:
+            return ()
+        caps = engine.capabilities
+        for part in media:
+            if not isinstance(engine, spec.MediaEngine) or not (caps.vision if part["type"] == "image"
+                                                                  else caps.audio):
+                said = "takes text only" if not (caps.vision or caps.audio) else \
+                    f"does not take {'images' if part['type'] == 'image' else 'audio'}"
+                raise sdk.LocalmError(400, f"{part['at']}: this model {said}", param=part["at"],
+                                      code="media_unsupported")
+        if len(media) != len(places):  # a place the reader found but no part: cannot happen; said if it does
+            raise sdk.LocalmError(400, f"{places[0]}: this model takes text only", param=places[0])
+        table = []
+        for slot, part in enumerate(media):
+            try:
+                tokens = await engine.media_tokens(part["media"])
+            except spec.EngineError as exc:
+                code = "invalid_image" if part["type"] == "image" else "invalid_audio"
+                raise sdk.LocalmError(400, f"{part['at']}: {exc}", code=code, param=part["at"]) from None
+            part["slot"], part["tokens"] = slot, tokens
+            table.append((part["media"], tokens))
+        return tuple(table)
+
+    @staticmethod
     def _check_stream(options: Options, common: Common, chain: hooks.Chain, origins: Origins) -> None:
         """Log probabilities spell the text the model wrote: a stream a plugin may rewrite has none."""
         if options.logprobs is not None and common.stream and chain.streams:
@@ -744,7 +773,7 @@ class ChatService:
 
     async def _prepare(self, chat_request: ChatRequest, entry: Any, common: Common, options: Options, render: Any,
                        headers: dict[str, str], received: float, chain: hooks.Chain, steering: Interventions,
-                       fit: Any = None) -> Generation:
+                       fit: Any = None, media: list[dict[str, Any]] | None = None) -> Generation:
         host = self.host
         asked = common.sampling.max_tokens  # the client's own cap, checked against the window
         common = self._capped(common, headers)
@@ -763,9 +792,7 @@ class ChatService:
                 if common.stream:
                     await generation.prime()
                 return generation
-            if chain.state.media:
-                media = chain.state.media[0]
-                raise sdk.LocalmError(400, f"{media}: this model takes text only", param=media)
+            placed = await self._place_media(engine, media or [], chain.state.media)
             constraint = options.constraint()
             if constraint is not None:
                 if not caps.grammar:
@@ -804,7 +831,7 @@ class ChatService:
                              reasoning=caps.reasoning and options.thinking is not False, thinking_open=opened,
                              interventions=tuple(steering.items), reads=tuple(r for r, _ in steering.reads),
                              window=min(limit, len(prompt) + room), num_ctx=common.num_ctx,
-                             background=common.background)
+                             background=common.background, media=placed)
         headers.update(steering.headers)
         seed = common.sampling.seed
         if seed is not None:

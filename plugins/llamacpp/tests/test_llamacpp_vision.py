@@ -1,5 +1,5 @@
 """Images in a llama.cpp prompt, at the engine: the real SmolLM2-135M GGUF with a tiny real
-projector (vision_fixtures: a LLaVA-style mmproj with random weights, 16 positions a
+projector (mmproj_fixtures: a LLaVA-style mmproj with random weights, 16 positions a
 picture), through llama-cpp-python's libmtmd. Nothing here knows what a picture shows; what
 is asserted is what holds whatever the weights: the projector's count, a picture changes
 the logits and the same picture gives the same ones (alone or beside another request, with
@@ -18,7 +18,7 @@ import pytest
 
 from localm.sdk import engines as spec
 from localm.sdk.testing import plugin_module
-from vision_fixtures import smollm2_gguf, tokens_per_image, write_png, write_projector
+from mmproj_fixtures import smollm2_gguf, tokens_per_image, write_png, write_projector
 
 pytest.importorskip("llama_cpp")
 
@@ -362,7 +362,7 @@ def test_the_mmproj_option_names_the_projector_or_turns_it_off(tmp_path: Path) -
 # --- finding a projector -------------------------------------------------------------------------
 
 def test_find_projector_prefers_the_models_own_and_checks_the_architecture(tmp_path: Path) -> None:
-    find = vision().find_projector
+    from localm.sdk.gguf import find_projector as find
     model = tmp_path / "Gemma-3-4B-Q4_K_M.gguf"
     model.write_bytes(b"GGUF")
     assert find(model) is None
@@ -390,7 +390,7 @@ def write_llm_header(path: Path, arch: str) -> None:
 
 
 def test_gguf_architecture_reads_only_the_header(tmp_path: Path) -> None:
-    read = vision().gguf_architecture
+    from localm.sdk.gguf import architecture as read
     assert read(write_projector(tmp_path / "p.gguf", n_embd=8)) == "clip"
     write_llm_header(tmp_path / "m.gguf", "llama")
     assert read(tmp_path / "m.gguf") == "llama"

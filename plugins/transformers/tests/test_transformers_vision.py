@@ -1,5 +1,5 @@
 """Pictures in chat on the transformers engine: a tiny random Llava saved as a Hugging Face
-folder (vision_fixtures) and reloaded offline through the engine object.
+folder (vlm_fixtures) and reloaded offline through the engine object.
 
 Random weights say nothing about meaning, so the tests assert what holds without it: a
 picture takes the positions the processor expands it to; the engine's MediaSpan path computes
@@ -24,7 +24,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from vision_fixtures import IMAGE_TOKEN, IMAGE_TOKENS, png_bytes, write_tiny_llm, write_tiny_vlm  # noqa: E402
+from vlm_fixtures import IMAGE_TOKEN, IMAGE_TOKENS, png_bytes, write_tiny_llm, write_tiny_vlm  # noqa: E402
 
 #: A small n_batch, so a picture's positions straddle a chunk boundary of the prefill.
 SETTINGS = {"n_ctx": 1024, "n_threads": 1, "n_batch": 5, "attention": "sdpa"}

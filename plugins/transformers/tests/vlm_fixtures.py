@@ -8,7 +8,7 @@ template that writes ``<image>`` for each ``{"type": "image"}`` part. Everything
 ``save_pretrained`` into one folder, which reloads offline (``HF_HUB_OFFLINE=1``) through
 ``AutoProcessor`` and ``AutoModelForImageTextToText`` as a downloaded model would.
 
-Importable by name from any test (``from vision_fixtures import write_tiny_vlm, png_bytes``)
+Importable by name from any test (``from vlm_fixtures import write_tiny_vlm, png_bytes``)
 once ``plugins/transformers/tests`` is on ``sys.path``.
 """
 
