@@ -253,7 +253,7 @@ def test_an_unknown_model_is_not_found(client: Any, server: Any) -> None:
     ({"max_tokens": 4, "messages": QUESTION, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 4, "messages": QUESTION, "thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGPk5ORkYGBgYmBgYGBgAAABbgAfXn6dLgAAAABJRU5ErkJggg=="}}]}]},
      "text only"),
 ])
 def test_a_malformed_body_is_an_invalid_request(server: Any, body: dict[str, Any], says: str) -> None:
@@ -261,7 +261,7 @@ def test_a_malformed_body_is_an_invalid_request(server: Any, body: dict[str, Any
     assert says in message
 
 
-IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGPk5ORkYGBgYmBgYGBgAAABbgAfXn6dLgAAAABJRU5ErkJggg=="}}
 BAD_SCHEMA = {"type": "object", "properties": 3}
 
 

@@ -218,8 +218,9 @@ def read_messages(r: Reader) -> list[dict[str, Any]]:
 
 
 def _media_part(r: Reader, part: dict[str, Any], i: int, j: int) -> dict[str, Any]:
-    """An image_url or input_audio part as the prompt keeps it: ``{"type": "image" | "audio",
-    "media": Media, "at": its place}``, every bound checked before anything decodes it."""
+    """An image_url or input_audio part as the prompt keeps it: ``{"type": "image", "media": Media,
+    "at": its place}`` (every bound checked before anything decodes it), or ``{"type": "audio",
+    "data", "format", "at"}``, read once a model that hears takes it."""
     where = r.name("messages", i, "content", j)
     r.media.append(where)
     r.counted.add(where)
@@ -231,9 +232,9 @@ def _media_part(r: Reader, part: dict[str, Any], i: int, j: int) -> dict[str, An
     if not isinstance(audio, dict):
         raise sdk.LocalmError(400, f"{where}: an input_audio part needs an input_audio object with data and "
                                    "format", code="invalid_audio", param=where)
-    fmt = audio.get("format")
-    return {"type": "audio", "media": sdk.media.audio_from_base64(audio.get("data"), fmt if isinstance(fmt, str)
-                                                                  else "", where), "at": where}
+    # read when a model that hears takes it (sdk.media.audio_from_base64): until then a chat plugin
+    # (the voice plugin's transcription) may turn it into text under its own rules
+    return {"type": "audio", "data": audio.get("data"), "format": audio.get("format"), "at": where}
 
 
 def media_of(messages: list[dict[str, Any]]) -> list[Any]:

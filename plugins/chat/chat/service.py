@@ -728,6 +728,10 @@ class ChatService:
             raise sdk.LocalmError(400, f"{places[0]}: this model takes text only", param=places[0])
         table = []
         for slot, part in enumerate(media):
+            if "media" not in part:  # a clip, read now that a model that hears takes it
+                fmt = part["format"]
+                part["media"] = sdk.media.audio_from_base64(part["data"], fmt if isinstance(fmt, str) else "",
+                                                            part["at"])
             try:
                 tokens = await engine.media_tokens(part["media"])
             except spec.EngineError as exc:

@@ -335,7 +335,7 @@ def test_error_shapes(server: LocalmServer, client: Any) -> None:
     err = refused(lambda: client.generate(model=MODEL, prompt="x", suffix="y"))
     assert err.status_code == 400 and "suffix" in err.error
     err = refused(lambda: client.chat(model=MODEL, messages=[{"role": "user", "content": "x",
-                                                               "images": ["aGVsbG8="]}]))
+                                                               "images": ["iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGPk5ORkYGBgYmBgYGBgAAABbgAfXn6dLgAAAABJRU5ErkJggg=="]}]))
     assert err.status_code == 400 and "text only" in err.error  # as on /v1/chat/completions
 
     def post(body: Any, path: str = "/api/chat") -> httpx.Response:
@@ -353,10 +353,10 @@ def test_error_shapes(server: LocalmServer, client: Any) -> None:
 
 def test_the_chat_services_refusals_name_ollama_fields(client: Any) -> None:
     """The chat service reads the translated request, but its refusal names the field Ollama's client sent."""
-    image = [{"role": "user", "content": "x", "images": ["aGVsbG8="]}]
+    image = [{"role": "user", "content": "x", "images": ["iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGPk5ORkYGBgYmBgYGBgAAABbgAfXn6dLgAAAABJRU5ErkJggg=="]}]
     err = refused(lambda: client.chat(model=MODEL, messages=[*QUESTION, {"role": "assistant", "content": "y"}, *image]))
     assert err.error == "messages[2].images[0]: this model takes text only"
-    err = refused(lambda: client.generate(model=MODEL, prompt="x", system="Be brief.", images=["aGVsbG8="]))
+    err = refused(lambda: client.generate(model=MODEL, prompt="x", system="Be brief.", images=["iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGPk5ORkYGBgYmBgYGBgAAABbgAfXn6dLgAAAABJRU5ErkJggg=="]))
     assert err.error == "images[0]: this model takes text only"
     err = refused(lambda: client.chat(model=MODEL, messages=QUESTION, options={"stop": ["x"] * 17}))
     assert err.error == "options.stop holds 17 sequences; at most 16 are accepted"
