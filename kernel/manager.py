@@ -100,11 +100,12 @@ class ModelManager:
         raise LocalmError(503, f"No active engine can run {entry.type} models: {hint}", code="no_engine")
 
     # --- loading --------------------------------------------------------------------
-    async def load(self, name: str | None) -> tuple[Resident, bool]:
+    async def load(self, name: str | None, *, activate: bool = True) -> tuple[Resident, bool]:
         """(resident, was_loaded_now). Concurrent loads of one model share one load.
 
-        Loading a chat model makes it the active one (what a request without a model gets);
-        an embedding model or a reranker never becomes active. Loading a reranker first
+        Loading a chat model makes it the active one (what a request without a model gets),
+        unless ``activate`` is False (a model routed to for one request's needs); an embedding
+        model or a reranker never becomes active. Loading a reranker first
         unloads any other resident reranker, waiting for its requests as ``unload_one`` does.
         """
         entry = self.resolve(name)
@@ -114,12 +115,12 @@ class ModelManager:
             if found is not None:
                 return found, False
             if entry.role != "reranker":
-                return await self._load_now(entry), True
+                return await self._load_now(entry, activate), True
             async with self._reranker_turn:
                 await self._unload_rerankers(keep=entry.id)
                 return await self._load_now(entry), True
 
-    async def _load_now(self, entry: ModelEntry) -> Resident:
+    async def _load_now(self, entry: ModelEntry, activate: bool = True) -> Resident:
         engine_name = self.engine_name(entry)
         plugin, factory = self._kernel.engines[engine_name]
         started = time.perf_counter()
@@ -129,7 +130,7 @@ class ModelManager:
             raise LocalmError(500, f"Could not load {entry.id}: {exc}", code=exc.code or "model_load_failed") from exc
         resident = Resident(entry=entry, engine=engine, loaded_at=time.time(), plugin=plugin)
         self.resident[entry.id] = resident
-        if entry.role == "chat" and entry.provider is None:
+        if entry.role == "chat" and entry.provider is None and activate:
             self.active = entry.id
         self._update_gauge()
         log.info("loaded %s with %s in %.2fs", entry.id, engine_name, time.perf_counter() - started)
@@ -153,14 +154,14 @@ class ModelManager:
         finally:
             hold.release()
 
-    async def hold(self, name: str | None) -> Hold:
+    async def hold(self, name: str | None, *, activate: bool = True) -> Hold:
         """``use`` without the block: the model stays held until ``release()`` (a request whose
-        reply streams after its handler returned holds it that long)."""
+        reply streams after its handler returned holds it that long). ``activate``: as ``load``."""
         entry = self.resolve(name)
         current = self.resident.get(entry.id)
         if current is not None and current.unloading:
             raise LocalmError(503, f"Model {entry.id} is being unloaded; retry in a moment", code="model_busy")
-        resident, _ = await self.load(entry.id)
+        resident, _ = await self.load(entry.id, activate=activate)
         if resident.unloading:
             raise LocalmError(503, f"Model {entry.id} is being unloaded; retry in a moment", code="model_busy")
         resident.in_flight += 1

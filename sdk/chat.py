@@ -266,8 +266,10 @@ class ChatService(Protocol):
         """(the registry entry, the results best first, the tokens the model read)."""
 
     async def count_tokens(self, body: ChatRequest | dict[str, Any], *, route: str = "anthropic.count_tokens",
-                           request: Any = None, extra: dict[str, Any] | None = None) -> int:
-        """The prompt tokens a chat ``body`` would take."""
+                           request: Any = None, extra: dict[str, Any] | None = None,
+                           headers: dict[str, str] | None = None) -> int:
+        """The prompt tokens a chat ``body`` would take (routed as a reply would be); ``headers``,
+        when given, receives the response headers a reply would carry (X-Localm-Model-Routing)."""
 
     def wants_scoring(self, body: Any) -> bool:
         """Whether an OpenAI completions or chat-completions body (any JSON value) asks for scoring

@@ -47,11 +47,14 @@ async def messages(request: sdk.Request) -> Any:
 
 @sdk.post("/v1/messages/count_tokens", scope=None, access="inference", error_family="anthropic", opt=OPT,
           summary="Anthropic token count", body=schema.AnthropicCountRequest, errors=schema.ERRORS)
-async def count_tokens(request: sdk.Request) -> dict[str, int]:
+async def count_tokens(request: sdk.Request) -> sdk.Response:
     chat = sdk.host_of(request).chat
     raw = await _body(request)
     asked = to_chat_request(raw, counting=True)
-    return {"input_tokens": await chat.count_tokens(asked, route="anthropic.count_tokens", request=request)}
+    headers: dict[str, str] = {}
+    tokens = await chat.count_tokens(asked, route="anthropic.count_tokens", request=request, headers=headers)
+    routed = {k: v for k, v in headers.items() if k == "X-Localm-Model-Routing"}
+    return sdk.Response({"input_tokens": tokens}, headers=routed)
 
 
 def anthropic_error(status: int, detail: str, code: str | None, extra: dict[str, Any]) -> sdk.Response:

@@ -27,7 +27,8 @@ NO_EFFECT = ("metadata", "service_tier", "cache_control", "inference_geo")
 READ = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
         "tools", "tool_choice", "thinking", "output_config", "mcp_servers"}
 #: localm's own chat fields, passed on as they are (an SDK sends them through extra_body).
-LOCALM = ("cache_prompt", "seed", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+LOCALM = ("cache_prompt", "seed", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "pin_model",
+          "required_capabilities", "min_context")
 THINKING_ON = ("enabled", "adaptive", "between_tools")
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")
 #: The most messages a request may hold (the chat plugin's bound, counted before turns are joined).

@@ -25,6 +25,11 @@ class Common:
     num_ctx: int | None = None
     #: a front end's background task (a title, tags or follow-ups): capped and queued after interactive requests
     background: bool = False
+    #: capability routing (see routing.py): whether the model is pinned (None: a named one is),
+    #: the capabilities the answering model must have, and the trained window it must hold
+    pin_model: bool | None = None
+    required: tuple[str, ...] = ()
+    min_context: int | None = None
 
 
 class Reader(_FieldReader):
@@ -90,8 +95,22 @@ def read_common(r: Reader) -> Common:
     num_ctx = r.get("num_ctx", (int,), "an integer")
     if num_ctx is not None and not 1 <= num_ctx <= MAX_NUM_CTX:
         raise sdk.LocalmError(400, f"{r.name('num_ctx')} must be from 1 to {MAX_NUM_CTX}, got {num_ctx}")
+    pin_model = r.get("pin_model", (bool,), "true or false")
+    required = r.get("required_capabilities", (list,), "a list of capabilities") or []
+    unknown = [c for c in required if c not in CAPABILITIES]
+    if unknown:
+        where = r.name("required_capabilities")
+        raise sdk.LocalmError(400, f"{where}: {unknown[0]!r} is not one of {', '.join(CAPABILITIES)}", param=where)
+    min_context = r.get("min_context", (int,), "an integer")
+    if min_context is not None and not 1 <= min_context <= MAX_NUM_CTX:
+        raise sdk.LocalmError(400, f"{r.name('min_context')} must be from 1 to {MAX_NUM_CTX}, got {min_context}")
     return Common(model=model, stream=stream, include_usage=include_usage, sampling=sampling, stops=stops,
-                  cache_prompt=cache_prompt, num_ctx=num_ctx, background=background_task(r.body))
+                  cache_prompt=cache_prompt, num_ctx=num_ctx, background=background_task(r.body),
+                  pin_model=pin_model, required=tuple(dict.fromkeys(required)), min_context=min_context)
+
+
+#: What required_capabilities may list.
+CAPABILITIES = ("vision", "audio_input", "tool_use", "reasoning")
 
 
 #: Open WebUI's own background-task prompts (the DEFAULT_*_PROMPT_TEMPLATE of open_webui/config.py),

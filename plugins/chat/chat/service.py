@@ -42,7 +42,7 @@ from localm import sdk
 from localm.sdk import engines as spec
 from localm.sdk.chat import ChatRequest, Origins, Scores
 
-from . import compaction, constrained, fields, hooks, pipeline, scoring
+from . import compaction, constrained, fields, hooks, pipeline, routing, scoring
 from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
@@ -583,13 +583,17 @@ class ChatService:
         return entry, results, tokens
 
     async def count_tokens(self, body: ChatRequest | dict[str, Any], *, route: str = "anthropic.count_tokens",
-                           request: Any = None, extra: dict[str, Any] | None = None) -> int:
+                           request: Any = None, extra: dict[str, Any] | None = None,
+                           headers: dict[str, str] | None = None) -> int:
         """The prompt tokens a chat request (or a bare chat ``body``) would take (its messages,
         tools and template, after the chat_inlet hooks), loading the model that would answer it. An engine that answers
         whole chat requests counts them with its ``count_request(body)`` where it has one (the
         remote engine asks its upstream); else the request's messages are estimated at 4
-        characters a token."""
+        characters a token. ``headers``, when given, receives the response headers a reply to
+        this request would carry (the model routing's)."""
         generation = await self.chat(body, route=route, request=request, extra=extra, compact=False)
+        if headers is not None:  # what the reply would say of itself (X-Localm-Model-Routing)
+            headers.update(generation.headers)
         try:
             if generation.plan.chat is None:
                 return len(generation.prompt)
@@ -626,11 +630,63 @@ class ChatService:
         if changed_by:
             parsed, media = checked
         chain.state.media = media
-        found = self._resolve(asked, parsed.common.model)
+        found = self._route(self._resolve(asked, parsed.common.model), parsed, chain)
         steering = await self._interventions(hooked, found)
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
+        if chain.state.route is not None and chain.state.route.header is not None:
+            headers["X-Localm-Model-Routing"] = routing.header_value(chain.state.route.header)
         self._check_stream(parsed.options, parsed.common, chain, asked.origins)
         return parsed, chain, steering, headers, found
+
+    def _route(self, found: Any, parsed: Parsed, chain: hooks.Chain) -> Any:
+        """The model that answers: ``found`` (the one asked for, or the active one), or an
+        installed model that has what the request needs when it is not pinned (routing.py)."""
+        if isinstance(found, sdk.LocalmError):
+            return found
+        common, options = parsed.common, parsed.options
+        parts = media_of(parsed.content) if isinstance(parsed.content, list) else []
+        tools = options.tools is not None and options.tools.choice != "none"
+        needs = routing.needs_of(images=any(p["type"] == "image" for p in parts),
+                                 audio=any(p["type"] == "audio" for p in parts), tools=tools,
+                                 required=common.required, min_context=common.min_context)
+        if not needs:
+            return found
+        named = common.model not in (None, "", "localm")
+        pinned = common.pin_model if common.pin_model is not None else named
+        models = self.host.models
+        route = routing.choose(found, models.registry.entries(), needs, pinned=pinned, requested=common.model,
+                               loaded=models.resident)
+        chain.state.route = route
+        return route.entry
+
+    async def _hold(self, entry: Any, chain: hooks.Chain) -> tuple[Any, Any]:
+        """(the hold on the model that answers, its entry): a model routed to is loaded for this
+        request without becoming the active model; one that fails to load gives way to the next
+        capable one, then to the model the request would otherwise use (``load_errors`` in the
+        routing header says why)."""
+        route = chain.state.route
+        if route is None or not route.routed:
+            return await self.host.models.hold(entry.id), entry
+        failures: dict[str, str] = {}
+        for candidate in (route.entry, *route.fallbacks):
+            try:
+                hold = await self.host.models.hold(candidate.id, activate=False)
+            except sdk.LocalmError as exc:
+                failures[candidate.id] = exc.detail
+                continue
+            if failures:
+                self._reroute(chain, candidate, failures)
+            return hold, candidate
+        default = self.host.models.resolve(None)
+        self._reroute(chain, default, failures)
+        return await self.host.models.hold(default.id), default
+
+    @staticmethod
+    def _reroute(chain: hooks.Chain, entry: Any, failures: dict[str, str]) -> None:
+        header = dict(chain.state.route.header)
+        header.update(resolved=entry.id, load_errors=failures)
+        chain.state.route = attrs.evolve(chain.state.route, entry=entry, header=header)
+        chain.state.headers["X-Localm-Model-Routing"] = routing.header_value(header)
 
     def _resolve(self, asked: ChatRequest, model: str | None) -> Any:
         """The registry entry for ``model``, the one request's resolve: the surface's own when
@@ -767,7 +823,8 @@ class ChatService:
         body["model"], body["stream"] = entry.id, common.stream
         chain.state.answer_with(headers)
         chain.state.model = entry.id
-        shown = common.model if common.model not in (None, "", "localm") else entry.id
+        routed = chain.state.route is not None and chain.state.route.routed
+        shown = common.model if common.model not in (None, "", "localm") and not routed else entry.id
         return Generation(host=self.host, entry=entry, prompt=[], fingerprint=fingerprint(entry, engine),
                           plan=pipeline.Plan(chat=spec.ChatInput(body=body, context=chain.context),
                                              logprobs=options.logprobs, tools=options.tools,
@@ -785,7 +842,8 @@ class ChatService:
             raise entry
         sdk.annotate(model=entry.id, tokens_in=None)  # not the tokens an inlet hook's embedding read
         self.check_chat_model(entry)  # refused before it loads (and unloads another model)
-        hold = await host.models.hold(entry.id)
+        hold, entry = await self._hold(entry, chain)
+        sdk.annotate(model=entry.id)
         with _released_on_error(hold) as resident:
             engine = resident.engine
             caps = engine.capabilities
@@ -848,7 +906,8 @@ class ChatService:
             headers.update({"X-Localm-Constrained": label, "X-miLLM-Constrained": label})
         chain.state.answer_with(headers)
         chain.state.model = entry.id
-        shown = common.model if common.model not in (None, "", "localm") else entry.id
+        routed = chain.state.route is not None and chain.state.route.routed
+        shown = common.model if common.model not in (None, "", "localm") and not routed else entry.id
         return Generation(host=host, entry=entry, prompt=prompt, fingerprint=fingerprint(entry, engine), plan=plan,
                           common=common, options=options, model=shown, received=received,
                           chain=chain, request=chat_request, reads=list(steering.reads), hold=hold)
