@@ -258,21 +258,29 @@ def inspect_hf(folder: Path) -> tuple[dict[str, Any], str]:
         pass
     if template is None and (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
+    for name in ("chat_template.json", "processor_config.json"):  # a vision-language folder's processor
+        if template is None and (folder / name).is_file():
+            try:
+                template = json.loads((folder / name).read_text()).get("chat_template")
+            except (OSError, ValueError, AttributeError):
+                pass
     archs = config.get("architectures") or []
     reranker = any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in archs)
     embedding = not reranker and ((folder / "modules.json").is_file() or (
         bool(archs) and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs)))
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     caps = {
         "architecture": archs[0] if archs else config.get("model_type"),
         "dtype": config.get("torch_dtype") or config.get("dtype"),
-        "context_window": config.get("max_position_embeddings") or config.get("n_positions"),
+        # a vision-language model's window is its text model's
+        "context_window": (config.get("max_position_embeddings") or config.get("n_positions")
+                           or text.get("max_position_embeddings") or text.get("n_positions")),
         "chat_template": bool(template),
         "vision": "vision_config" in config,
         "audio_input": "audio_config" in config,
         "reasoning": isinstance(template, str) and "<think>" in template,
         "tool_use": isinstance(template, str) and "tools" in template,
     }
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     for key, name in (("hidden_size", "hidden_size"), ("layers", "num_hidden_layers")):
         if isinstance(text.get(name), int):
             caps[key] = text[name]

@@ -17,6 +17,11 @@ from typing import Any, AsyncIterator, Callable
 from localm.kernel.engines import Event, Finished, GenerateRequest, Queued, Started
 
 
+def positions(request: GenerateRequest) -> int:
+    """The positions a request's prompt takes: its tokens and its media's (GenerateRequest.media)."""
+    return len(request.prompt) + sum(span.tokens for span in request.media)
+
+
 class Turns:
     """Up to ``capacity`` holders at a time (one by default). Waiters take their turn in
     arrival order, except that a background request (``GenerateRequest.background``) lets
@@ -104,7 +109,7 @@ class Serial:
             if ahead:
                 yield Queued(ahead=ahead)
             async with self._turn(request.background):
-                yield Started(prompt_tokens=len(request.prompt))
+                yield Started(prompt_tokens=positions(request))
                 loop = asyncio.get_running_loop()
                 events: asyncio.Queue[Event] = asyncio.Queue()
                 cancelled = threading.Event()
@@ -216,7 +221,7 @@ class Batched:
             if self._turn.held >= self.slots or self._turn.waiting:
                 yield Queued(ahead=self.busy - 1)
             async with self._turn(request.background):
-                yield Started(prompt_tokens=len(request.prompt))
+                yield Started(prompt_tokens=positions(request))
                 loop = asyncio.get_running_loop()
                 events: asyncio.Queue[Event] = asyncio.Queue()
                 cancelled = threading.Event()
@@ -266,7 +271,7 @@ class Batched:
                 try:
                     self._admit(job)
                 except Exception as exc:  # noqa: BLE001 - the job ends; the others go on
-                    self._end(job, Finished(reason="error", prompt_tokens=len(job.request.prompt),
+                    self._end(job, Finished(reason="error", prompt_tokens=positions(job.request),
                                             completion_tokens=0, error=f"{type(exc).__name__}: {exc}"))
             live = [job for job in self._live if not job.finished]
             if live:
@@ -274,7 +279,7 @@ class Batched:
                     self._step(live)
                 except Exception as exc:  # noqa: BLE001 - every unfinished job ends with the error
                     for job in live:
-                        self._end(job, Finished(reason="error", prompt_tokens=len(job.request.prompt),
+                        self._end(job, Finished(reason="error", prompt_tokens=positions(job.request),
                                                 completion_tokens=0, error=f"{type(exc).__name__}: {exc}"))
                     if self._abort is not None:
                         try:
