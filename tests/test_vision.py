@@ -8,6 +8,7 @@ before anything decodes it."""
 from __future__ import annotations
 
 import base64
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -146,3 +147,39 @@ def test_a_picture_too_large_is_refused_before_it_is_decoded(client: Any) -> Non
         client.chat.completions.create(model=VISION, max_tokens=1, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_uri(1)}}] * 17}])
     assert err.value.status_code == 413 and "at most 16 images" in str(err.value)
+
+
+def jpeg_uri(seed: int) -> str:
+    """A picture as Open WebUI's image upload sends it: the browser's canvas re-encodes it (JPEG)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.open(io.BytesIO(png(seed))).convert("RGB").save(out, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_open_webui_image_upload_on_both_connections(server: Any) -> None:
+    """Open WebUI's request shapes, replayed: on an OpenAI connection the chat form goes out as
+    is (a content list with an image_url data URI, streamed, with its metadata); on an Ollama
+    connection its payload converter (open_webui/utils/payload.py,
+    convert_messages_openai_to_ollama) joins the text, strips the data: prefix into images."""
+    uri = jpeg_uri(7)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                             {"type": "image_url", "image_url": {"url": uri}}]}]
+    form = {"model": VISION, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+            "metadata": {"chat_id": "c1", "message_id": "m1", "session_id": "s1"}, "max_tokens": 4}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=form, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][6:])["usage"]
+    assert usage["prompt_tokens"] > IMAGE_POSITIONS
+    converted = {"model": VISION, "stream": True, "options": {"num_predict": 4},
+                 "messages": [{"role": "user", "content": "What is in this picture?",
+                               "images": [jpeg_uri(8).split(",")[-1]]}],
+                 "metadata": form["metadata"]}
+    with httpx.stream("POST", server.url + "/api/chat", json=converted, timeout=120) as r:
+        chunks = [json.loads(line) for line in r.iter_lines() if line]
+    assert r.status_code == 200 and chunks[-1]["done"] is True
+    assert chunks[-1]["prompt_eval_count"] > IMAGE_POSITIONS
