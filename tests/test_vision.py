@@ -183,3 +183,12 @@ def test_open_webui_image_upload_on_both_connections(server: Any) -> None:
         chunks = [json.loads(line) for line in r.iter_lines() if line]
     assert r.status_code == 200 and chunks[-1]["done"] is True
     assert chunks[-1]["prompt_eval_count"] > IMAGE_POSITIONS
+
+
+def test_pulling_one_file_of_a_hub_repository_fails_clearly_offline(server: Any) -> None:
+    """ORG/REPO:FILE.gguf fetches that file and the projector the repository pairs with it; this
+    machine has no network, so the answer says so at once."""
+    r = httpx.post(server.url + "/api/pull", json={"model": "ggml-org/gemma-3-4b-it-GGUF:gemma-3-4b-it-Q4_K_M.gguf",
+                                                   "stream": False},
+                   headers={"Authorization": f"Bearer {server.token}"}, timeout=60)
+    assert r.status_code == 502 and "Cannot fetch ggml-org/gemma-3-4b-it-GGUF" in r.json()["error"]
