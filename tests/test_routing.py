@@ -55,10 +55,12 @@ def server(localm_module_server: Any, tmp_path_factory: pytest.TempPathFactory) 
         offline_cli(data, "pull", model, "--name", BROKEN, "--mmproj", str(doomed))
         offline_cli(data, "pull", str(long), "--name", LONG)
         Path(doomed).unlink()
+        (data / "config.json").write_text(json.dumps({"plugins": {"llamacpp": {"n_threads": 1},
+                                                                  "transformers": {"n_ctx": 32768}}}))
 
     return localm_module_server(prepare=prepare, plugins=["chat", "llamacpp", "transformers", "openai",
                                                           "anthropic"],
-                                env={"LOCALM_LLAMACPP__N_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                                env={"HF_HUB_OFFLINE": "1"})
 
 
 def chat(server: Any, body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
@@ -137,3 +139,14 @@ def test_openai_and_anthropic_clients_are_routed_alike(server: Any) -> None:
     counted = c.messages.with_raw_response.count_tokens(model="localm", messages=message)
     assert json.loads(counted.headers[HEADER])["resolved"] == VISION
     assert counted.parse().input_tokens == r.parse().usage.input_tokens
+
+
+def test_a_conversation_too_long_for_the_model_goes_to_one_trained_for_it(server: Any) -> None:
+    long = [{"role": "user", "content": "sea " * 9000 + "What is this about?"}]  # past SmolLM2's 8192
+    r = chat(server, {"messages": long})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == LONG and "x-localm-context-compacted" not in r.headers
+    header = json.loads(r.headers[HEADER])
+    assert header["routed"] is True and header["resolved"] == LONG and header["gaps"] == {"context": "absent"}
+    pinned = chat(server, {"model": TEXT, "messages": long, "max_tokens": 8000})  # pinned: compacted or refused
+    assert pinned.status_code in (200, 400, 413) and HEADER not in pinned.headers

@@ -43,10 +43,10 @@ def server(localm_module_server: Any, tmp_path_factory: pytest.TempPathFactory) 
 
     def prepare(data: Path) -> None:  # the default model, and the same weights paired with a projector
         offline_cli(data, "pull", str(mmproj_fixtures.smollm2_gguf()), "--name", VISION, "--mmproj", str(projector))
+        (data / "config.json").write_text(json.dumps({"plugins": {"llamacpp": {"n_threads": 1}}}))
 
     return localm_module_server(prepare=prepare, plugins=["chat", "llamacpp", "openai", "ollama", "anthropic",
-                                                          "responses"],
-                                env={"LOCALM_LLAMACPP__N_THREADS": "1"})
+                                                          "responses"])
 
 
 @pytest.fixture(scope="module")

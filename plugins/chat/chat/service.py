@@ -297,6 +297,15 @@ def _released_on_error(hold: Any) -> Iterator[Any]:
         raise
 
 
+class _Longer(Exception):
+    """The conversation is too long for the model it would go to: ``route`` leads to one
+    trained for a longer window."""
+
+    def __init__(self, route: Any) -> None:
+        super().__init__("routed for a longer context")
+        self.route = route
+
+
 def _appended(message: dict[str, Any], text: str, reasoning: str) -> list[Any]:
     """What outlet hooks added to a reply already streamed: the end of its reasoning and of its
     text (a footer). Other edits cannot reach a client that has the text already."""
@@ -510,8 +519,15 @@ class ChatService:
             headers["X-Localm-Context-Compacted"] = "1"
             return prompt, opened
 
-        generation = await self._prepare(asked, found, common, options, render, headers, received, chain, steering,
-                                         fit=fit if compact else None, media=media_of(messages))
+        try:
+            generation = await self._prepare(asked, found, common, options, render, headers, received, chain,
+                                             steering, fit=fit if compact else None, media=media_of(messages),
+                                             reroute=True)
+        except _Longer as longer:  # too long for the model: one trained for a longer window answers
+            chain.state.route = longer.route
+            headers["X-Localm-Model-Routing"] = routing.header_value(longer.route.header)
+            generation = await self._prepare(asked, longer.route.entry, common, options, render, headers, received,
+                                             chain, steering, fit=fit if compact else None, media=media_of(messages))
         generation.messages = compacted[0] if compacted else messages
         return generation
 
@@ -658,6 +674,17 @@ class ChatService:
                                loaded=models.resident)
         chain.state.route = route
         return route.entry
+
+    def _longer(self, entry: Any, common: Common, needed: int) -> Any:
+        """The route to a model trained for a window of ``needed`` tokens, for a conversation too
+        long for ``entry`` in a request that may be routed; None when it is pinned or none holds it."""
+        named = common.model not in (None, "", "localm")
+        if (common.pin_model if common.pin_model is not None else named):
+            return None
+        needs = routing.Needs(min_context=needed)
+        route = routing.choose(entry, self.host.models.registry.entries(), needs, pinned=False,
+                               requested=common.model, loaded=self.host.models.resident)
+        return route if route.routed else None
 
     async def _hold(self, entry: Any, chain: hooks.Chain) -> tuple[Any, Any]:
         """(the hold on the model that answers, its entry): a model routed to is loaded for this
@@ -834,7 +861,8 @@ class ChatService:
 
     async def _prepare(self, chat_request: ChatRequest, entry: Any, common: Common, options: Options, render: Any,
                        headers: dict[str, str], received: float, chain: hooks.Chain, steering: Interventions,
-                       fit: Any = None, media: list[dict[str, Any]] | None = None) -> Generation:
+                       fit: Any = None, media: list[dict[str, Any]] | None = None,
+                       reroute: bool = False) -> Generation:
         host = self.host
         asked = common.sampling.max_tokens  # the client's own cap, checked against the window
         common = self._capped(common, headers)
@@ -869,10 +897,15 @@ class ChatService:
                                       code="field_not_honoured", field=min(steering.fields) if steering.fields
                                       else "steering")
             prompt, opened = render(engine)
-            # the window grows up to the model's ceiling; past it the conversation is compacted,
-            # leaving room for the whole reply the client asked for
+            # the window grows up to the model's ceiling; past it the conversation goes to a model
+            # trained for a longer one (when it may be routed), or is compacted, leaving room for
+            # the whole reply the client asked for
             limit = caps.context_limit
             cap_name = chat_request.origins.name("max_tokens")
+            if reroute and len(prompt) + max(asked or 0, 1) >= limit:
+                longer = self._longer(entry, common, len(prompt) + (asked or compaction.reply_room(None, limit)))
+                if longer is not None:
+                    raise _Longer(longer)
             if asked is not None and asked >= limit:  # no prompt, however compacted, leaves that room
                 pipeline.check_reply_fits(len(prompt), asked, limit, cap_name)
             room = asked if asked is not None else compaction.reply_room(common.sampling.max_tokens, limit)

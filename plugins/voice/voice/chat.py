@@ -41,13 +41,19 @@ def audio_parts(messages: Any) -> list[tuple[int, int]]:
             for j, p in enumerate(m["content"]) if isinstance(p, dict) and p.get("type") == "input_audio"]
 
 
-def hears(host: Any, model: Any) -> bool:
-    """Whether the model the request names takes audio itself (an unknown one is left to chat)."""
+def hears(host: Any, model: Any, pin_model: Any = None) -> bool:
+    """Whether a model that takes audio itself will answer: the one the request names (an
+    unknown one is left to chat), or, for a request the chat service may route (no model
+    named, or ``pin_model: false``), any installed chat model that hears."""
     try:
         entry = host.models.resolve(model if isinstance(model, str) else None)
     except sdk.LocalmError:
         return True  # chat refuses the unknown model as it would without audio
-    return bool(entry.capabilities.get("audio_input"))
+    if entry.capabilities.get("audio_input"):
+        return True
+    named = isinstance(model, str) and model not in ("", "localm")
+    pinned = pin_model if isinstance(pin_model, bool) else named
+    return not pinned and any(e.role == "chat" and e.capabilities.get("audio_input") for e in host.models.entries())
 
 
 def clip(part: dict[str, Any], where: str) -> bytes:
@@ -91,7 +97,7 @@ async def transcribe(voice: Any, data: bytes, entry: Any, where: str, left: floa
 
 async def inlet(voice: Any, request: dict[str, Any], context: Any) -> dict[str, Any] | None:
     found = audio_parts(request.get("messages"))
-    if not found or not voice.settings.get("chat_audio", True) or hears(context.host, request.get("model")):
+    if not found or not voice.settings.get("chat_audio", True) or hears(context.host, request.get("model"), request.get("pin_model")):
         return None
     caller = context.caller
     # transcription is inference: open to open mode's callers, a web page's included, as the
