@@ -539,7 +539,7 @@ class LlamaEngine:
         try:
             if not found.is_file():
                 raise spec.EngineError(f"The projector {found.name} does not exist")
-            return vision.Projector(found, model, threads=threads, width=int(width)), ""
+            return vision.Projector(found, model, threads=threads, width=int(width), flash=self._flash), ""
         except spec.EngineError as exc:
             if chosen:
                 self.llm.close()

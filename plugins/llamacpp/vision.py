@@ -186,7 +186,7 @@ class Projector:
     ``ENCODED_BUDGET`` bytes. ``encode`` may be called from any thread: one encodes at a
     time."""
 
-    def __init__(self, path: str | Path, model: Any, *, threads: int, width: int) -> None:
+    def __init__(self, path: str | Path, model: Any, *, threads: int, width: int, flash: bool | None = None) -> None:
         from llama_cpp import mtmd_cpp as mtmd
         self._mtmd = mtmd
         self.path = Path(path)
@@ -204,6 +204,8 @@ class Projector:
         logs = _mtmd_log()
         params = mtmd.mtmd_context_params_default()
         params.n_threads = threads
+        if flash is not None and hasattr(params, "flash_attn_type"):  # as the language model's (llama-server's too)
+            params.flash_attn_type = 1 if flash else 0
         params.print_timings = False
         params.media_marker = self.marker.encode()
         mark = logs.count

@@ -53,7 +53,7 @@ class RequestState:
         self.headers: dict[str, str] = {}
         self.fields: dict[str, Any] = {}
         #: the capability routing that chose the model (routing.Route; None: the model asked for)
-        self.route: Any = None
+        self.routing: Any = None
         #: status events waiting to be sent; whether a streamed reply's headers were sent
         self.statuses: list[pipeline.Status] = []
         self.opened = False

@@ -524,7 +524,7 @@ class ChatService:
                                              steering, fit=fit if compact else None, media=media_of(messages),
                                              reroute=True)
         except _Longer as longer:  # too long for the model: one trained for a longer window answers
-            chain.state.route = longer.route
+            chain.state.routing = longer.route
             headers["X-Localm-Model-Routing"] = routing.header_value(longer.route.header)
             generation = await self._prepare(asked, longer.route.entry, common, options, render, headers, received,
                                              chain, steering, fit=fit if compact else None, media=media_of(messages))
@@ -649,8 +649,8 @@ class ChatService:
         found = self._route(self._resolve(asked, parsed.common.model), parsed, chain)
         steering = await self._interventions(hooked, found)
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
-        if chain.state.route is not None and chain.state.route.header is not None:
-            headers["X-Localm-Model-Routing"] = routing.header_value(chain.state.route.header)
+        if chain.state.routing is not None and chain.state.routing.header is not None:
+            headers["X-Localm-Model-Routing"] = routing.header_value(chain.state.routing.header)
         self._check_stream(parsed.options, parsed.common, chain, asked.origins)
         return parsed, chain, steering, headers, found
 
@@ -672,7 +672,7 @@ class ChatService:
         models = self.host.models
         route = routing.choose(found, models.registry.entries(), needs, pinned=pinned, requested=common.model,
                                loaded=models.resident)
-        chain.state.route = route
+        chain.state.routing = route
         return route.entry
 
     def _longer(self, entry: Any, common: Common, needed: int) -> Any:
@@ -691,7 +691,7 @@ class ChatService:
         request without becoming the active model; one that fails to load gives way to the next
         capable one, then to the model the request would otherwise use (``load_errors`` in the
         routing header says why)."""
-        route = chain.state.route
+        route = chain.state.routing
         if route is None or not route.routed:
             return await self.host.models.hold(entry.id), entry
         failures: dict[str, str] = {}
@@ -710,9 +710,9 @@ class ChatService:
 
     @staticmethod
     def _reroute(chain: hooks.Chain, entry: Any, failures: dict[str, str]) -> None:
-        header = dict(chain.state.route.header)
+        header = dict(chain.state.routing.header)
         header.update(resolved=entry.id, load_errors=failures)
-        chain.state.route = attrs.evolve(chain.state.route, entry=entry, header=header)
+        chain.state.routing = attrs.evolve(chain.state.routing, entry=entry, header=header)
         chain.state.headers["X-Localm-Model-Routing"] = routing.header_value(header)
 
     def _resolve(self, asked: ChatRequest, model: str | None) -> Any:
@@ -850,7 +850,7 @@ class ChatService:
         body["model"], body["stream"] = entry.id, common.stream
         chain.state.answer_with(headers)
         chain.state.model = entry.id
-        routed = chain.state.route is not None and chain.state.route.routed
+        routed = chain.state.routing is not None and chain.state.routing.routed
         shown = common.model if common.model not in (None, "", "localm") and not routed else entry.id
         return Generation(host=self.host, entry=entry, prompt=[], fingerprint=fingerprint(entry, engine),
                           plan=pipeline.Plan(chat=spec.ChatInput(body=body, context=chain.context),
@@ -939,7 +939,7 @@ class ChatService:
             headers.update({"X-Localm-Constrained": label, "X-miLLM-Constrained": label})
         chain.state.answer_with(headers)
         chain.state.model = entry.id
-        routed = chain.state.route is not None and chain.state.route.routed
+        routed = chain.state.routing is not None and chain.state.routing.routed
         shown = common.model if common.model not in (None, "", "localm") and not routed else entry.id
         return Generation(host=host, entry=entry, prompt=prompt, fingerprint=fingerprint(entry, engine), plan=plan,
                           common=common, options=options, model=shown, received=received,

@@ -1,6 +1,6 @@
 """A Hugging Face vision-language folder served by localm: the tiny random Llava of
-vlm_fixtures pulled like a downloaded model, asked about pictures through the official openai
-and ollama clients. Its picture positions are counted in the usage, and its log probabilities
+vlm_fixtures pulled like a downloaded model, asked about pictures through the official openai,
+ollama and anthropic clients. Its picture positions are counted in the usage, and its log probabilities
 depend on which picture was sent."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 ollama = pytest.importorskip("ollama")
+anthropic = pytest.importorskip("anthropic")
 
 from vlm_fixtures import IMAGE_TOKENS, png_bytes, write_tiny_vlm  # noqa: E402
 
@@ -31,7 +32,7 @@ def server(localm_module_server: Any, tmp_path_factory: pytest.TempPathFactory) 
     def prepare(data: Path) -> None:
         offline_cli(data, "pull", str(folder), "--name", MODEL)
 
-    return localm_module_server(prepare=prepare, plugins=["chat", "transformers", "openai", "ollama"],
+    return localm_module_server(prepare=prepare, plugins=["chat", "transformers", "openai", "ollama", "anthropic"],
                                 env={"HF_HUB_OFFLINE": "1"})
 
 
@@ -65,3 +66,19 @@ def test_ollama_images(server: Any) -> None:
     r = ollama.Client(host=server.url).chat(model=MODEL, options={"temperature": 0, "num_predict": 2}, messages=[
         {"role": "user", "content": "what is in this image?", "images": [png_bytes(3)]}])
     assert r.done and r.prompt_eval_count >= IMAGE_TOKENS
+
+
+def test_anthropic_image_blocks_change_the_reply(server: Any) -> None:
+    c = anthropic.Anthropic(base_url=server.url, api_key="unused")
+
+    def ask(seed: int) -> Any:
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(png_bytes(seed)).decode()}}
+        return c.messages.create(model=MODEL, max_tokens=6, messages=[
+            {"role": "user", "content": [image, {"type": "text", "text": "what is in this image?"}]}],
+            extra_body={"temperature": 0, "top_k": 1})
+
+    one, again = ask(11), ask(11)
+    assert one.usage.input_tokens >= IMAGE_TOKENS and one.content == again.content
+    replies = {tuple(block.text for block in ask(seed).content) for seed in (12, 13, 14, 15)}
+    assert len(replies | {tuple(block.text for block in one.content)}) > 1  # the picture changes the reply
