@@ -101,49 +101,62 @@ _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 PROJECTOR_ARCHITECTURE = "clip"
 
 
+def _skip(fh: BinaryIO, kind: int) -> None:
+    """Move past one value of type ``kind`` without reading it."""
+    if kind in _SIZES:
+        fh.seek(_SIZES[kind], 1)
+    elif kind == _STRING:
+        fh.seek(_read(fh, "<Q"), 1)
+    elif kind == _ARRAY:
+        item, count = _read(fh, "<I"), _read(fh, "<Q")
+        if item in _SIZES:
+            fh.seek(_SIZES[item] * count, 1)
+        else:
+            for _ in range(count):
+                _skip(fh, item)
+    else:
+        raise GGUFError(f"unknown GGUF value type {kind}")
+
+
 def architecture(path: str | Path) -> str | None:
     """A GGUF file's ``general.architecture`` (None when it is not a GGUF or does not say),
-    read from its header: nothing else of the file is read."""
-    def read(fh: Any, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        data = fh.read(size)
-        if len(data) != size:
-            raise ValueError("truncated")
-        return struct.unpack(fmt, data)[0]
-
-    def skip(fh: Any, kind: int) -> None:
-        if kind in _SIZES:
-            fh.seek(_SIZES[kind], 1)
-        elif kind == _STRING:
-            fh.seek(read(fh, "<Q"), 1)
-        elif kind == _ARRAY:
-            item, count = read(fh, "<I"), read(fh, "<Q")
-            if item in _SIZES:
-                fh.seek(_SIZES[item] * count, 1)
-            else:
-                for _ in range(count):
-                    skip(fh, item)
-        else:
-            raise ValueError(f"unknown GGUF value type {kind}")
-
+    read from its header up to that key: nothing else of the file is read."""
     try:
         with open(path, "rb") as fh:
             if fh.read(4) != b"GGUF":
                 return None
-            read(fh, "<I")  # version
-            read(fh, "<Q")  # tensors
-            for _ in range(read(fh, "<Q")):
-                key_length = read(fh, "<Q")
+            _read(fh, "<I")  # version
+            _read(fh, "<Q")  # tensors
+            for _ in range(_read(fh, "<Q")):
+                key_length = _read(fh, "<Q")
                 if key_length > 1 << 16:
                     return None
                 key = fh.read(key_length)
-                kind = read(fh, "<I")
+                kind = _read(fh, "<I")
                 if key == b"general.architecture" and kind == _STRING:
-                    return fh.read(read(fh, "<Q")).decode("utf-8", errors="replace")
-                skip(fh, kind)
-    except (OSError, ValueError, struct.error):
+                    return _string(fh)
+                _skip(fh, kind)
+    except (OSError, GGUFError, struct.error):
         return None
     return None
+
+
+def tensor_names(path: str | Path) -> set[str]:
+    """The tensor names of a GGUF file, read from its index (no weight is read); GGUFError when
+    it is not a GGUF file or its header is cut short."""
+    names: set[str] = set()
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise GGUFError(f"{Path(path).name} is not a GGUF file")
+        _read(fh, "<I")  # version
+        tensors, kv_count = _read(fh, "<Q"), _read(fh, "<Q")
+        for _ in range(kv_count):
+            _skip(fh, _STRING)  # the key
+            _skip(fh, _read(fh, "<I"))
+        for _ in range(tensors):
+            names.add(_string(fh))
+            fh.seek(8 * _read(fh, "<I") + 4 + 8, 1)  # dimensions, type, offset
+    return names
 
 
 def find_projector(model_path: str | Path) -> Path | None:

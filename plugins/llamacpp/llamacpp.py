@@ -28,7 +28,7 @@ import attrs
 
 from localm import sdk
 from localm.sdk import engines as spec
-from localm.sdk.gguf import find_projector
+from localm.sdk.gguf import GGUFError, find_projector, tensor_names
 from localm.sdk.storage import atomic_write_bytes
 
 from . import vision
@@ -95,46 +95,6 @@ WINDOW_STEP = 256
 RERANK_MIN_DOCUMENT_TOKENS = 8
 #: The classifier-head tensors of a GGUF reranker (llama.cpp's cls / cls_out).
 CLASSIFIER_TENSORS = ("cls.weight", "cls.output.weight")
-
-
-def _tensor_names(path: str) -> set[str]:
-    """The tensor names of a GGUF file, read from its index (no weight is read)."""
-    scalars = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-    def read(fh: Any, fmt: str) -> Any:
-        data = fh.read(struct.calcsize(fmt))
-        if len(data) != struct.calcsize(fmt):
-            raise ValueError("the GGUF header is truncated")
-        return struct.unpack(fmt, data)[0]
-
-    def skip(fh: Any, kind: int) -> None:
-        if kind in scalars:
-            fh.seek(scalars[kind], 1)
-        elif kind == 8:  # a string
-            fh.seek(read(fh, "<Q"), 1)
-        elif kind == 9:  # an array
-            item, count = read(fh, "<I"), read(fh, "<Q")
-            if item in scalars:
-                fh.seek(scalars[item] * count, 1)
-            else:
-                for _ in range(count):
-                    skip(fh, item)
-        else:
-            raise ValueError(f"unknown GGUF value type {kind}")
-
-    names: set[str] = set()
-    with open(path, "rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise ValueError("not a GGUF file")
-        read(fh, "<I")  # version
-        tensors, kv_count = read(fh, "<Q"), read(fh, "<Q")
-        for _ in range(kv_count):
-            skip(fh, 8)  # the key
-            skip(fh, read(fh, "<I"))
-        for _ in range(tensors):
-            names.add(fh.read(read(fh, "<Q")).decode("utf-8", errors="replace"))
-            fh.seek(8 * read(fh, "<I") + 4 + 8, 1)  # dimensions, type, offset
-    return names
 
 
 def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -395,8 +355,8 @@ class LlamaEngine:
                                    "verbose": False}
         if self.reranker:
             try:
-                head = set(CLASSIFIER_TENSORS) & _tensor_names(path)
-            except (OSError, ValueError) as exc:
+                head = set(CLASSIFIER_TENSORS) & tensor_names(path)
+            except (OSError, ValueError, GGUFError, struct.error) as exc:
                 raise spec.EngineError(f"llama.cpp could not read {name}: {exc}") from exc
             if not head:  # llama.cpp would abort the process on the first pass
                 raise spec.EngineError(f"{name} has no classifier head (no {' or '.join(CLASSIFIER_TENSORS)} "
