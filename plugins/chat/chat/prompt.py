@@ -135,10 +135,28 @@ class Prompt:
         return ids
 
 
+def continued(messages: list[dict[str, Any]]) -> str | None:
+    """The partial reply a conversation ends with (a trailing assistant message with text and
+    no tool calls, after at least one other message: a front end's Continue, Anthropic's
+    prefill), which the model continues; None for a conversation that asks for a new reply."""
+    if len(messages) < 2:
+        return None
+    last = messages[-1]
+    content = last.get("content")
+    if last.get("role") != "assistant" or last.get("tool_calls") or not isinstance(content, str) or not content:
+        return None
+    return content
+
+
 def chat_tokens(engine: Any, messages: list[dict[str, Any]], *, tools: Any = None,
                 thinking: bool | None = None) -> tuple[list[int], bool]:
-    """The prompt's tokens, and whether the reply starts inside a reasoning block."""
+    """The prompt's tokens, and whether the reply starts inside a reasoning block. A trailing
+    partial reply (see ``continued``) follows the generation prompt as the start of the reply,
+    read as plain text (a control token spelled in it stays text), so the model continues it."""
     prompt = Prompt()
+    prefill = continued(messages)
+    if prefill is not None:
+        messages = messages[:-1]
     shown = prompt.messages(messages, tools)
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     text = engine.render_chat(shown, template_kwargs=kwargs)
@@ -149,4 +167,7 @@ def chat_tokens(engine: Any, messages: list[dict[str, Any]], *, tools: Any = Non
         else:
             text += EMPTY_THINK
     opened = text.rstrip().endswith("<think>")
+    if prefill is not None:
+        opened = opened and "</think>" not in prefill
+        text += prompt.mark(prefill)
     return prompt.tokens(engine, text), opened
