@@ -57,7 +57,9 @@ async def read_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
         else "file:" + Path(entry.source[5:]).name, "sha256": entry.sha256, "size_bytes": entry.size_bytes,
         "aliases": list(entry.aliases), "model_type": entry.type, "role": entry.role,
     }
-    caps = entry.capabilities
+    caps = dict(entry.capabilities)
+    if caps.get("projector"):  # a file name, as path and source are: no absolute path leaves the server
+        caps["projector"] = Path(caps["projector"]).name
     if "vision" in caps:
         out["vision"] = bool(caps["vision"])
         out["audio_input"] = bool(caps.get("audio_input"))
