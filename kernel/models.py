@@ -63,10 +63,18 @@ class ModelEntry:
     engine: str | None = None
     #: The plugin that provides it while active (it is not in models.json; see Registry.provide).
     provider: str | None = None
+    #: What a request to this model starts from when it does not say (a Modelfile's): "system"
+    #: (the system prompt), "options" (sampling and length: temperature, top_p, top_k, seed,
+    #: num_predict, stop, ...), "messages" (a conversation put before the request's),
+    #: "template" and "license" (kept and shown).
+    defaults: dict[str, Any] = attrs.Factory(dict)
+    #: The LoRA adapters applied when it loads: {"name", "path", "scale"} each.
+    adapters: tuple[dict[str, Any], ...] = ()
 
     def public(self) -> dict[str, Any]:
         out = attrs.asdict(self)
         out["aliases"] = list(self.aliases)
+        out["adapters"] = [dict(a) for a in self.adapters]
         return out
 
     @classmethod
@@ -74,6 +82,9 @@ class ModelEntry:
         fields = {f.name for f in attrs.fields(cls)}
         data = {k: v for k, v in raw.items() if k in fields}
         data["aliases"] = tuple(data.get("aliases", ()))
+        data["adapters"] = tuple(a for a in data.get("adapters", ()) if isinstance(a, dict))
+        if not isinstance(data.get("defaults", {}), dict):
+            data["defaults"] = {}
         return cls(**data)
 
 
