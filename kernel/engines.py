@@ -49,6 +49,11 @@ the chat service renders the template with ``engine.media_marker`` where a messa
 one, tokenizes the text around the markers, and asks ``engine.media_tokens`` how many
 positions each takes, so the window arithmetic counts them like tokens.
 
+Where a model's weights went is the engine's to say: a loaded model may carry a
+:class:`Placement` (``placement``), and an engine that can read its accelerator's memory a
+``vram()`` method (free and total bytes of the devices it uses, or None). Both are
+optional, and say only what the backend reports: an engine that cannot tell leaves them out.
+
 Each model role has a protocol of its own, so an engine implements only what its models
 do: :class:`ChatEngine` (``Engine``, the name engines were first written against) for chat
 models, :class:`EmbeddingEngine`, :class:`RerankEngine` (a cross-encoder: its engine says
@@ -354,6 +359,68 @@ class Ranked:
     label_scores: tuple[float, ...] | None = None
     truncated: bool = False
     tokens: int = 0
+
+
+@attrs.frozen
+class Placement:
+    """Where a loaded model runs, as its backend reports it.
+
+    ``device`` is ``"cpu"`` or the accelerator (``"gpu"``, ``"cuda:0"``, ``"mps"``). An engine
+    that places a model layer by layer (llama.cpp) says how many of its layers landed on the
+    accelerator (``gpu_layers_offloaded`` of ``gpu_layers_total``); ``vram_bytes`` is the
+    accelerator memory the load took, measured, when the backend can read it. A model that
+    runs on the CPU carries none of those."""
+
+    device: str = "cpu"
+    gpu_layers_offloaded: int | None = None
+    gpu_layers_total: int | None = None
+    vram_bytes: int | None = None
+    #: the accelerators it uses, by the backend's names
+    devices: tuple[str, ...] = ()
+    #: why it is where it is, when that is worth saying (an offload that did not fit)
+    note: str | None = None
+
+    @property
+    def degraded(self) -> bool | None:
+        """Fewer than all of its layers on the accelerator; None when nothing is placed by layer."""
+        if self.gpu_layers_total is None or self.gpu_layers_offloaded is None:
+            return None
+        return self.gpu_layers_offloaded < self.gpu_layers_total
+
+    def public(self) -> dict[str, Any]:
+        """The fields the load response, GET /v1/models/{id} and /api/models/loaded carry."""
+        out: dict[str, Any] = {"device": self.device}
+        if self.devices:
+            out["devices"] = list(self.devices)
+        if self.gpu_layers_total is not None and self.gpu_layers_offloaded is not None:
+            out.update(gpu_layers_offloaded=self.gpu_layers_offloaded, gpu_layers_total=self.gpu_layers_total,
+                       degraded=self.degraded)
+        if self.vram_bytes is not None:
+            out["vram_bytes"] = self.vram_bytes
+        if self.note:
+            out["placement_note"] = self.note
+        return out
+
+
+def placement_of(engine: Any) -> Placement | None:
+    """A loaded model's placement, when its engine says one."""
+    found = getattr(engine, "placement", None)
+    return found if isinstance(found, Placement) else None
+
+
+def vram_of(engine: Any) -> tuple[int, int] | None:
+    """(free, total) bytes of the accelerator memory ``engine`` reads, or None when it cannot."""
+    reading = getattr(engine, "vram", None)
+    if not callable(reading):
+        return None
+    try:
+        found = reading()
+    except Exception:  # a reading is a report, never a failure
+        return None
+    if (isinstance(found, tuple) and len(found) == 2 and all(isinstance(v, int) and v >= 0 for v in found)
+            and found[1] > 0):
+        return found
+    return None
 
 
 @runtime_checkable

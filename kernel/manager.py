@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .engines import Engine, EngineError
+from .engines import Engine, EngineError, vram_of
 from .errors import LocalmError
 from .models import DEFAULT_MODEL_ID, ModelEntry, ModelKinds, Registry
 
@@ -100,13 +100,16 @@ class ModelManager:
         raise LocalmError(503, f"No active engine can run {entry.type} models: {hint}", code="no_engine")
 
     # --- loading --------------------------------------------------------------------
-    async def load(self, name: str | None, *, activate: bool = True) -> tuple[Resident, bool]:
+    async def load(self, name: str | None, *, activate: bool = True,
+                   options: dict[str, Any] | None = None) -> tuple[Resident, bool]:
         """(resident, was_loaded_now). Concurrent loads of one model share one load.
 
         Loading a chat model makes it the active one (what a request without a model gets),
         unless ``activate`` is False (a model routed to for one request's needs); an embedding
         model or a reranker never becomes active. Loading a reranker first
         unloads any other resident reranker, waiting for its requests as ``unload_one`` does.
+        ``options`` go to the engine's factory for this load (``n_gpu_layers``: a load's own GPU
+        layer count); a model already resident keeps how it was loaded.
         """
         entry = self.resolve(name)
         lock = self._locks.setdefault(entry.id, asyncio.Lock())
@@ -115,17 +118,18 @@ class ModelManager:
             if found is not None:
                 return found, False
             if entry.role != "reranker":
-                return await self._load_now(entry, activate), True
+                return await self._load_now(entry, activate, options), True
             async with self._reranker_turn:
                 await self._unload_rerankers(keep=entry.id)
-                return await self._load_now(entry), True
+                return await self._load_now(entry, options=options), True
 
-    async def _load_now(self, entry: ModelEntry, activate: bool = True) -> Resident:
+    async def _load_now(self, entry: ModelEntry, activate: bool = True,
+                        options: dict[str, Any] | None = None) -> Resident:
         engine_name = self.engine_name(entry)
         plugin, factory = self._kernel.engines[engine_name]
         started = time.perf_counter()
         try:
-            engine = await asyncio.to_thread(factory, entry, {})
+            engine = await asyncio.to_thread(factory, entry, dict(options or {}))
         except EngineError as exc:
             raise LocalmError(500, f"Could not load {entry.id}: {exc}", code=exc.code or "model_load_failed") from exc
         resident = Resident(entry=entry, engine=engine, loaded_at=time.time(), plugin=plugin)
@@ -186,12 +190,30 @@ class ModelManager:
             return {"status": "confirm_required", "model": entry.id,
                     "detail": f"{resident.in_flight} request(s) still use {entry.id}; it stays loaded"}
         self.resident.pop(entry.id, None)
-        await asyncio.to_thread(resident.engine.close)
+        before = vram_of(resident.engine)
+        after = await asyncio.to_thread(self._close, resident.engine)
         was_active = self.active == entry.id
         if was_active:
             self.active = None
         self._update_gauge()
-        return {"status": "unloaded", "model": entry.id, "was_active": was_active}
+        out = {"status": "unloaded", "model": entry.id, "was_active": was_active}
+        if before is not None:  # the accelerator's free memory, read before and after
+            out.update(vram_before_bytes=before[1] - before[0])
+            if after is None:
+                out.update(vram_reading_uncertain=True, vram_note="GPU memory could not be read after the unload")
+            else:
+                out.update(vram_after_bytes=after[1] - after[0], vram_freed=max(0, after[0] - before[0]))
+        return out
+
+    @staticmethod
+    def _close(engine: Any) -> tuple[int, int] | None:
+        """Close ``engine``; the accelerator memory reading after, when it has one."""
+        reading = getattr(engine, "vram", None)
+        engine.close()
+        if not callable(reading):
+            return None
+        time.sleep(0.05)  # a driver reclaims freed memory a moment after the free returns
+        return vram_of(engine)
 
     async def unload_all(self, grace: float = UNLOAD_GRACE_SECONDS) -> dict[str, Any]:
         if not self.resident:

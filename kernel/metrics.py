@@ -10,6 +10,8 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from .engines import vram_of
+
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPS_BUCKETS = (1, 5, 10, 20, 40, 80, 160, 320)
@@ -83,8 +85,12 @@ class Metrics:
 
     def observe_engines(self, engines: list[Any]) -> None:
         """The inference gauges from the loaded models' engines: their slots, the requests
-        decoding in them and the requests waiting for one."""
+        decoding in them and the requests waiting for one; the accelerator memory, when an
+        engine reads it (no reading: no VRAM gauges)."""
         slots = active = waiting = 0
+        self.vram = next((found for found in map(vram_of, engines) if found is not None), None)
+        if self.vram is not None:  # (used, total)
+            self.vram = (self.vram[1] - self.vram[0], self.vram[1])
         for engine in engines:
             n = int(getattr(engine, "slots", 1) or 1)
             busy = int(getattr(engine, "busy", 0) or 0)

@@ -22,6 +22,7 @@ from localm.kernel.engines import (
     Media,
     MediaEngine,
     MediaSpan,
+    Placement,
     Queued,
     Ranked,
     RerankEngine,
@@ -31,7 +32,9 @@ from localm.kernel.engines import (
     Status,
     TextToSpeechEngine,
     Token,
+    placement_of,
     steering_of,
+    vram_of,
 )
 
 from .constrain import LOGPROB_FLOOR, Constrainer, TokenMasker, logprob_entry, safe_logprob
@@ -39,10 +42,10 @@ from .scheduling import Batched, Job, Serial, Turns
 
 __all__ = ["LOGPROB_FLOOR", "ActivationRead", "Batched", "Capabilities", "ChatEngine", "ChatInput", "Constrainer",
            "Constraint", "EmbeddingEngine", "Engine", "EngineError", "LoadedModel", "Media", "MediaEngine", "MediaSpan",
-           "RerankEngine",
+           "Placement", "RerankEngine",
            "SpeechToTextEngine", "TextToSpeechEngine", "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Job", "Queued", "Ranked", "Sampling",
-           "Serial", "Started", "Status", "Token", "TokenMasker", "Turns", "logprob_entry", "safe_logprob",
-           "steering_of", "usable_cores"]
+           "Serial", "Started", "Status", "Token", "TokenMasker", "Turns", "logprob_entry", "placement_of", "safe_logprob",
+           "steering_of", "usable_cores", "vram_of"]
 
 
 def usable_cores() -> int:

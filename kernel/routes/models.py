@@ -11,6 +11,7 @@ from litestar import Request
 from msgspec import Meta
 
 from .. import limits
+from ..engines import placement_of
 from ..errors import LocalmError
 from ..routing import get, post
 from .common import json_body, kernel_of
@@ -28,6 +29,17 @@ class ModelChoice:
     closed = True
 
     model: ModelName | None = None
+
+
+@attrs.define
+class LoadChoice:
+    """The model, in the body instead of ?model= (both: they must agree), and how many of its
+    layers go to the GPU for this load (-1: all that fit; 0: none; llama.cpp engine)."""
+
+    closed = True
+
+    model: ModelName | None = None
+    gpu_layers: Annotated[int, Meta(ge=-1, le=100000)] | None = None
 
 
 @attrs.define
@@ -59,7 +71,11 @@ async def _params(request: Request, **query: str | None) -> dict[str, str | None
         for name, value in body.items():
             if value is None:
                 continue
-            if not isinstance(value, str):
+            if name in _INTEGERS:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise LocalmError(400, f"{name} must be an integer", field=name)
+                value = str(value)
+            elif not isinstance(value, str):
                 raise LocalmError(400, f"{name} must be a string", field=name)
             if query[name] is not None and query[name] != value:
                 raise LocalmError(400, f"{name} is given twice and differs: ?{name}={query[name]} and "
@@ -70,14 +86,41 @@ async def _params(request: Request, **query: str | None) -> dict[str, str | None
     return out
 
 
+#: the parameters that are integers (a string in the query, a number in the body)
+_INTEGERS = {"gpu_layers"}
+
+
+def _gpu_layers(value: str | None) -> dict[str, Any]:
+    if value is None:
+        return {}
+    try:
+        layers = int(value)
+    except ValueError:
+        raise LocalmError(400, "gpu_layers must be an integer (-1: all that fit, 0: none)", field="gpu_layers") from None
+    if not -1 <= layers <= 100000:
+        raise LocalmError(400, "gpu_layers must be -1 (all that fit), 0 (none) or a layer count", field="gpu_layers")
+    return {"n_gpu_layers": layers}
+
+
+def placement_fields(engine: Any) -> dict[str, Any]:
+    """Where a loaded model runs (device, GPU layers, VRAM), as its engine reports it."""
+    found = placement_of(engine)
+    return found.public() if found is not None else {}
+
+
 @post("/v1/models/load", scope="models:write", summary="Load a model (the active or default one without ?model=)",
-      body=ModelChoice, body_required=False,
+      body=LoadChoice, body_required=False,
       errors={**_PARAMS, 404: "An unregistered model", 503: "No model named and none active, loaded or configured"})
-async def load_model(request: Request, model: str | None = None) -> dict[str, Any]:
+async def load_model(request: Request, model: str | None = None, gpu_layers: str | None = None) -> dict[str, Any]:
+    """Where the model runs comes with the answer: ``device``, and for a model placed layer by
+    layer on a GPU ``gpu_layers_offloaded``, ``gpu_layers_total`` and ``degraded`` (fewer than all
+    of its layers fit). ``gpu_layers`` sets this load's layer count; a model already loaded keeps
+    its own (unload it first)."""
     k = kernel_of(request)
-    model = (await _params(request, model=model))["model"]
-    resident, fresh = await k.models.load(model)
-    out = {"status": "loaded" if fresh else "already_loaded", "model": resident.entry.id}
+    given = await _params(request, model=model, gpu_layers=gpu_layers)
+    resident, fresh = await k.models.load(given["model"], options=_gpu_layers(given["gpu_layers"]))
+    out = {"status": "loaded" if fresh else "already_loaded", "model": resident.entry.id,
+           **placement_fields(resident.engine)}
     slots = int(getattr(resident.engine, "slots", 1) or 1)
     if slots > 1:  # it answers that many requests at once
         out["parallel_slots"] = slots
@@ -123,7 +166,7 @@ async def loaded_models(request: Request) -> dict[str, Any]:
                     "context_max": engine.capabilities.context_limit, "active": k.models.active == entry.id,
                     "slots": int(getattr(engine, "slots", 1) or 1), "busy": engine.busy,
                     "in_flight": resident.in_flight, "unloading": resident.unloading,
-                    "loaded_at": resident.loaded_at, "until": None})
+                    "loaded_at": resident.loaded_at, "until": None, **placement_fields(engine)})
     return {"models": out}
 
 

@@ -28,10 +28,10 @@ import attrs
 
 from localm import sdk
 from localm.sdk import engines as spec
-from localm.sdk.gguf import GGUFError, find_projector, tensor_names
+from localm.sdk.gguf import GGUFError, find_projector, metadata, tensor_names
 from localm.sdk.storage import atomic_write_bytes
 
-from . import vision
+from . import placement, vision
 
 log = logging.getLogger("localm.plugin.llamacpp")
 
@@ -58,6 +58,15 @@ class Settings:
                                                            "request took, in MiB: their KV state is kept here and "
                                                            "restored instead of read again (-1: a quarter of the "
                                                            "memory free when the model loads, at most 8192; 0: off)")
+    n_gpu_layers: int = sdk.setting(-1, min=-1, description="Layers a model puts on the GPU (-1: all that fit in "
+                                                             "its free memory beside the context; 0: none, CPU "
+                                                             "only). A load that does not fit is tried with fewer "
+                                                             "and says degraded; POST /v1/models/load?gpu_layers= "
+                                                             "sets one load's")
+    main_gpu: int = sdk.setting(0, min=0, max=63, description="The GPU a model goes to when it is not split "
+                                                              "across several (tensor_split)")
+    tensor_split: str = sdk.setting("", description="How a model is split across GPUs, as proportions by GPU "
+                                                    "index (\"3,1\": three quarters on GPU 0); empty: one GPU")
     cache_persist: bool = sdk.setting(False, description="Write the prompt cache to the data dir when a model "
                                                          "unloads or the server stops, and read it back when the "
                                                          "model loads: a front end's tool definitions and system "
@@ -364,10 +373,7 @@ class LlamaEngine:
             # an encoder reads a whole pair in one pass: the batch is the window
             options.update(embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK, n_batch=settings["n_ctx"],
                            n_ubatch=settings["n_ctx"])
-        try:
-            self.llm = Llama(model_path=path, n_ctx=settings["n_ctx"], **options)
-        except Exception as exc:
-            raise spec.EngineError(f"llama.cpp could not load {name}: {exc}") from exc
+        self.llm = self._open_placed(Llama, path, settings, options, name)
         model = getattr(self.llm, "_model", None)
         n_ctx_train = model.n_ctx_train() if hasattr(model, "n_ctx_train") else self.llm.n_ctx()
         if 0 < n_ctx_train < self.llm.n_ctx():  # past its trained positions an encoder aborts the process
@@ -478,7 +484,73 @@ class LlamaEngine:
         self._path = path
         self._threads = threads
         self._embedder: Any = None
+        self.placement = self._placed()
         self._constrainer = spec.Constrainer(self._grammar_tokenizer, self.token_bytes)
+
+    def _open_placed(self, Llama: Any, path: str, settings: dict[str, Any], options: dict[str, Any],
+                     name: str) -> Any:
+        """The model loaded with as many of its layers on the GPU as the settings ask and its
+        memory holds (placement.py): a load that fails with layers on the GPU is tried again
+        with fewer. ``options`` keeps the placement that loaded, for the loads that follow."""
+        meta = {}
+        try:
+            meta = metadata(path)
+        except (OSError, ValueError, GGUFError, struct.error):
+            pass  # llama.cpp says what is wrong with the file below
+        arch = str(meta.get("general.architecture", ""))
+        layers = settings.get("n_gpu_layers", -1)
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < -1:
+            raise spec.EngineError(f"n_gpu_layers must be -1 (all that fit), 0 or a layer count, not {layers!r}",
+                                   code="invalid_setting")
+        try:
+            split = placement.tensor_split(str(settings.get("tensor_split") or ""))
+        except ValueError as exc:
+            raise spec.EngineError(str(exc), code="invalid_setting") from None
+        main_gpu = int(settings.get("main_gpu") or 0)
+        per_token = _kv_bytes_per_token(meta, arch) or 0
+        slots = 1 if self.reranker else int(settings.get("n_parallel") or 1)
+        plan = placement.plan(layers, path=path, blocks=meta.get(f"{arch}.block_count") if isinstance(
+            meta.get(f"{arch}.block_count"), int) else None, kv_bytes=per_token * int(settings["n_ctx"]) * slots,
+            split=split, main_gpu=main_gpu)
+        used = [d.index for d in plan.devices]
+        self._vram_start = placement.vram(used) if plan.tries[0] else None
+        failures = []
+        for count in plan.tries:
+            placed = placement.llama_options(count, split, main_gpu)
+            try:
+                llm = Llama(model_path=path, n_ctx=settings["n_ctx"], **options, **placed)
+            except Exception as exc:
+                failures.append(f"{count} GPU layers: {exc}")
+                if count:
+                    log.warning("%s did not load with %d layers on the GPU (%s); trying fewer", name, count, exc)
+                    continue
+                raise spec.EngineError(f"llama.cpp could not load {name}: {exc}") from exc
+            options.update(placed)
+            self._gpu_options = placed
+            self._gpus = used if count else []
+            self._gpu_plan = attrs.evolve(plan, tries=(count,), note=plan.note if not failures else (
+                f"{plan.tries[0]} GPU layers did not load ({failures[0]}); {count} did"))
+            return llm
+        raise spec.EngineError(f"llama.cpp could not load {name}: {'; '.join(failures)}")
+
+    def _placed(self) -> spec.Placement:
+        """Where the model runs, as llama.cpp placed it: on the CPU, or this many of its layers on
+        the GPU, and the GPU memory its load took (the free memory's fall, where it is read)."""
+        plan = self._gpu_plan
+        count = plan.tries[0]
+        if not count or not plan.devices:
+            return spec.Placement(device="cpu")
+        now = placement.vram(self._gpus)
+        took = None
+        if self._vram_start is not None and now is not None:
+            took = max(0, self._vram_start[0] - now[0])
+        return spec.Placement(device="gpu", gpu_layers_offloaded=min(count, plan.total),
+                              gpu_layers_total=plan.total, vram_bytes=took,
+                              devices=tuple(d.name for d in plan.devices), note=plan.note)
+
+    def vram(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the GPUs this model was placed on; None on the CPU."""
+        return placement.vram(self._gpus) if self._gpus else None
 
     def _open_projector(self, path: str, settings: dict[str, Any], threads: int) -> tuple[Any, str]:
         """The projector for this model and, without one, why: the load option ``mmproj`` (a
@@ -499,7 +571,8 @@ class LlamaEngine:
         try:
             if not found.is_file():
                 raise spec.EngineError(f"The projector {found.name} does not exist")
-            return vision.Projector(found, model, threads=threads, width=int(width), flash=self._flash), ""
+            return vision.Projector(found, model, threads=threads, width=int(width), flash=self._flash,
+                                     gpu=bool(self._gpus)), ""
         except spec.EngineError as exc:
             if chosen:
                 self.llm.close()
@@ -1335,7 +1408,8 @@ class LlamaEngine:
             window = self._n_ctx_slot
             self._embedder = llama_cpp.Llama(model_path=self._path, embedding=True, n_ctx=window,
                                              n_threads=self._threads, n_batch=window,
-                                             pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, verbose=False)
+                                             pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, verbose=False,
+                                             **self._gpu_options)
         window = self._embedder.n_ctx()
         for text in texts:
             size = len(self._embedder.tokenize(text.encode("utf-8"), add_bos=False))

@@ -186,7 +186,8 @@ class Projector:
     ``ENCODED_BUDGET`` bytes. ``encode`` may be called from any thread: one encodes at a
     time."""
 
-    def __init__(self, path: str | Path, model: Any, *, threads: int, width: int, flash: bool | None = None) -> None:
+    def __init__(self, path: str | Path, model: Any, *, threads: int, width: int, flash: bool | None = None,
+                 gpu: bool | None = None) -> None:
         from llama_cpp import mtmd_cpp as mtmd
         self._mtmd = mtmd
         self.path = Path(path)
@@ -206,6 +207,8 @@ class Projector:
         params.n_threads = threads
         if flash is not None and hasattr(params, "flash_attn_type"):  # as the language model's (llama-server's too)
             params.flash_attn_type = 1 if flash else 0
+        if gpu is not None and hasattr(params, "use_gpu"):  # on the GPU with the model's layers, or not
+            params.use_gpu = gpu
         params.print_timings = False
         params.media_marker = self.marker.encode()
         mark = logs.count

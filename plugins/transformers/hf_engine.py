@@ -75,6 +75,29 @@ class Settings:
     n_batch: int = sdk.setting(512, min=1, description="Prompt tokens processed per step")
     attention: str = sdk.setting("sdpa", choices=["sdpa", "eager"],
                                  description="Attention kernel (eager can be faster for short contexts)")
+    device: str = sdk.setting("auto", choices=["auto", "cpu", "cuda", "mps"],
+                              description="Where models run (auto: a CUDA GPU, else Apple's MPS, else the CPU)")
+    dtype: str = sdk.setting("auto", choices=["auto", "float32", "bfloat16", "float16"],
+                             description="The weights' precision (auto: bfloat16 on a GPU that has it, float16 "
+                                         "on another accelerator, float32 on the CPU)")
+
+
+def _placement(torch: Any, device: str, dtype: str) -> tuple[Any, Any]:
+    """(torch device, torch dtype) for the ``device`` and ``dtype`` settings; an accelerator
+    that is asked for and absent is an error, not a silent CPU load."""
+    cuda = torch.cuda.is_available()
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    if device == "auto":
+        device = "cuda" if cuda else "mps" if mps else "cpu"
+    elif (device == "cuda" and not cuda) or (device == "mps" and not mps):
+        raise spec.EngineError(f"The device setting is {device}, and PyTorch finds no {device.upper()} device here "
+                               f"(torch {torch.__version__}): set it to auto or cpu", code="no_device")
+    if dtype == "auto":
+        if device == "cuda":
+            dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        else:
+            dtype = "float16" if device == "mps" else "float32"
+    return torch.device(device), getattr(torch, dtype)
 
 
 def _threads(n: int) -> int:
@@ -348,6 +371,7 @@ class TransformersEngine:
         except ImportError as exc:
             raise spec.EngineError(f"transformers cannot be imported: {_first_line(exc)}") from exc
         self._torch = torch
+        self._device, self._dtype = _placement(torch, settings.get("device", "auto"), settings.get("dtype", "auto"))
         self._threads = _threads(settings["n_threads"])
         torch.set_num_threads(self._threads)
         transformers.utils.logging.disable_progress_bar()
@@ -380,6 +404,7 @@ class TransformersEngine:
             raise spec.EngineError(f"{name} has no classifier head: its weights lack {', '.join(missing[:4])}",
                                    code="no_classifier_head")
         self.model.eval()
+        self.placement = self._placed()
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         native = next((getattr(c, name, None) for c in (text_config, config)  # a VLM's window is its text model's
@@ -415,7 +440,7 @@ class TransformersEngine:
             interventions=self._layers is not None and self._hidden is not None,
             hidden_size=self._hidden, layers=count if isinstance(count, int) else None,
             context_window=window, chat_template=bool(self.template), embeddings=not self.reranker,
-            rerank=self.reranker, dtype="float32",
+            rerank=self.reranker, dtype=str(self._dtype).removeprefix("torch."),
             reasoning=bool(self.template and "<think>" in self.template),
             tool_use=bool(self.template and "tools" in self.template), logprobs=causal,
             grammar=causal and spec.Constrainer.available()
@@ -468,7 +493,7 @@ class TransformersEngine:
         else:
             load = transformers.AutoModel if self.embedding else transformers.AutoModelForCausalLM
         dtype = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        options: dict[str, Any] = {**kwargs, dtype: self._torch.float32, "attn_implementation": attention}
+        options: dict[str, Any] = {**kwargs, dtype: self._dtype, "attn_implementation": attention}
         if self.reranker:
             options["output_loading_info"] = True
         try:
@@ -478,6 +503,8 @@ class TransformersEngine:
                 raise
             del options["attn_implementation"]  # an architecture without that attention kernel
             loaded = load.from_pretrained(folder, **options)
+        if self._device.type != "cpu":
+            (loaded[0] if self.reranker else loaded).to(self._device)
         if not self.reranker:
             return loaded
         model, info = loaded
@@ -735,8 +762,8 @@ class TransformersEngine:
         kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True, **(extra or {})}
         if last_only and self._keep_kwarg:
             kwargs[self._keep_kwarg] = 1
-        out = self.model(torch.tensor([ids], dtype=torch.long), **kwargs)
-        return out.logits[0, -1].float()
+        out = self.model(torch.tensor([ids], dtype=torch.long, device=self._device), **self._on_device(kwargs))
+        return out.logits[0, -1].float().cpu()
 
     def _prefill(self, prompt: list[int], reuse: bool, cancel: threading.Event, key: tuple = (),
                  keys: list[Any] | None = None, placed: Sequence[_Placed] = ()) -> tuple[Any, int]:
@@ -961,12 +988,13 @@ class TransformersEngine:
                 if not self.embedding:  # a generative model: the mean of its final hidden states
                     base = getattr(self.model, "base_model", None) or self.model
                     ids = self.tokenize(text) or [self.tokenizer.eos_token_id or 0]
-                    hidden = base(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=False).last_hidden_state
+                    hidden = base(input_ids=torch.tensor([ids], dtype=torch.long, device=self._device),
+                                  use_cache=False).last_hidden_state
                     out.append(torch.nn.functional.normalize(hidden[0].float().mean(dim=0), p=2, dim=0).tolist())
                     continue
                 with self._tokenizing:
                     batch = self.tokenizer([text], truncation=True, max_length=self._n_ctx, return_tensors="pt")
-                hidden = self.model(**batch).last_hidden_state[0].float()
+                hidden = self.model(**self._on_device(dict(batch))).last_hidden_state[0].float()
                 if self._pooling == "cls":
                     pooled = hidden[0]
                 elif self._pooling == "last":
@@ -1039,12 +1067,40 @@ class TransformersEngine:
                                           return_tensors="pt")
                 if getattr(self.model.config, "type_vocab_size", 2) < 2:  # one segment embedding (RoBERTa)
                     pair.pop("token_type_ids", None)
-                logits = self.model(**pair).logits[0].float().tolist()
+                logits = self.model(**self._on_device(dict(pair))).logits[0].float().tolist()
                 out.append(spec.Ranked(score=float(logits[0]),
                                        label_scores=tuple(float(x) for x in logits) if len(logits) > 1 else None,
                                        truncated=fixed + size > self._n_ctx,
                                        tokens=int(pair["input_ids"].shape[1])))
         return out
+
+    def _on_device(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """``inputs`` with their tensors on the model's device (pictures' pixels in its dtype)."""
+        if self._device.type == "cpu":
+            return inputs
+        torch = self._torch
+        out = {}
+        for key, value in inputs.items():
+            if torch.is_tensor(value):
+                value = value.to(self._device, dtype=self._dtype if value.is_floating_point() else None)
+            out[key] = value
+        return out
+
+    def _placed(self) -> spec.Placement:
+        """Where the model runs: the CPU, or the accelerator and the memory its weights took there."""
+        if self._device.type == "cpu":
+            return spec.Placement(device="cpu")
+        took = None
+        if self._device.type == "cuda":
+            took = int(self._torch.cuda.memory_allocated(self._device))
+        return spec.Placement(device=str(self._device), vram_bytes=took)
+
+    def vram(self) -> tuple[int, int] | None:
+        """(free, total) bytes of the CUDA device this model runs on; None elsewhere."""
+        if self._device.type != "cuda":
+            return None
+        free, total = self._torch.cuda.mem_get_info(self._device)
+        return int(free), int(total)
 
     def close(self) -> None:
         self._serial.close()
@@ -1054,6 +1110,8 @@ class TransformersEngine:
         self.model = None
         self.tokenizer = None
         gc.collect()
+        if self._device.type == "cuda":  # give the freed blocks back to the driver
+            self._torch.cuda.empty_cache()
 
 
 @sdk.hookimpl

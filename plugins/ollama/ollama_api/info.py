@@ -179,12 +179,14 @@ def process(resident: Any, expires: float | None = None) -> dict[str, Any]:
     """One loaded model in /api/ps: ``expires`` (epoch seconds) is when a keep_alive unloads it,
     as Ollama computes it (the last request's end plus its keep_alive); without one localm keeps
     a model loaded until it is unloaded (Ollama's "forever"). ``context_length`` is the window
-    it serves with now (a num_ctx request sets it; it grows as prompts need). The engines here
-    keep nothing in GPU memory. ``parallel_slots`` (localm's own field) is how many requests
+    it serves with now (a num_ctx request sets it; it grows as prompts need). ``size_vram`` is the
+    GPU memory its load took, as its engine measured it (0 on the CPU). ``parallel_slots`` (localm's own field) is how many requests
     the model answers at once, when more than one."""
     entry = resident.entry
     at = int(expires * 1e9) if expires is not None else int(resident.loaded_at * 1e9) + FOREVER_NS
-    out = {**tag(entry), "expires_at": rfc3339(at), "size_vram": 0,
+    placed = spec.placement_of(resident.engine)
+    vram = placed.vram_bytes if placed is not None and placed.vram_bytes is not None else 0
+    out = {**tag(entry), "expires_at": rfc3339(at), "size_vram": vram,
            "context_length": resident.engine.capabilities.context_window}
     slots = int(getattr(resident.engine, "slots", 1) or 1)
     if slots > 1:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from localm import sdk
+from localm.sdk.engines import placement_of
 
 log = logging.getLogger("localm.plugin.openai")
 
@@ -76,4 +77,7 @@ async def read_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
             out["parallel_slots"] = slots
         out["in_flight"] = resident.in_flight  # requests holding it (a load or an unload waits for them)
         out["unloading"] = resident.unloading
+        placed = placement_of(engine)
+        if placed is not None:  # where it runs: device, GPU layers, VRAM, as the engine reports them
+            out.update(placed.public())
     return out

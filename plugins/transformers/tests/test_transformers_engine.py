@@ -394,3 +394,29 @@ def test_engine_on_a_hugging_face_folder(engine: Any, tiny_llama: Path) -> None:
             assert events[-1].completion_tokens == 8
     finally:
         tiny.close()
+
+
+# --- placement ---------------------------------------------------------------------------
+
+def test_the_engine_says_where_it_runs(engine: Any) -> None:
+    import torch
+    placed = spec.placement_of(engine)
+    if torch.cuda.is_available():
+        assert placed.device.startswith("cuda") and placed.vram_bytes > 0
+        assert engine.capabilities.dtype in ("bfloat16", "float16") and engine.vram() is not None
+    else:  # float32 on the CPU, and no GPU field at all
+        assert placed.public() == {"device": "cpu"} and engine.vram() is None
+        assert engine.capabilities.dtype == "float32"
+
+
+def test_an_accelerator_asked_for_and_absent_is_refused_by_name() -> None:
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: asking for it is not a refusal here")
+    module = plugin_module("transformers", "hf_engine")
+    with pytest.raises(spec.EngineError, match="PyTorch finds no CUDA device") as caught:
+        module.TransformersEngine(str(smollm2_gguf()), "gguf", "chat",
+                                  {"n_ctx": 256, "n_threads": 1, "n_batch": 16, "attention": "sdpa", "device": "cuda"})
+    assert caught.value.code == "no_device"
+    device, dtype = module._placement(torch, "cpu", "bfloat16")  # a precision asked for is honoured
+    assert (str(device), dtype) == ("cpu", torch.bfloat16)
