@@ -981,14 +981,24 @@ def ps(obj: Ctx, as_json: bool) -> None:
         if not loaded:
             click.echo("No model is loaded.")
             return
-        click.echo(f"{'NAME':<32} {'SIZE':>8}  {'ENGINE':<13} {'SLOTS':<7} {'CONTEXT':>7}  {'LOADED':<16} UNTIL")
+        click.echo(f"{'NAME':<32} {'SIZE':>8}  {'ENGINE':<13} {'PROCESSOR':<11} {'SLOTS':<7} {'CONTEXT':>7}  "
+                   f"{'LOADED':<16} UNTIL")
         for m in loaded:
             in_use = min(m["busy"], m["slots"])
             slots = f"{in_use}/{m['slots']}" + (f" +{m['busy'] - in_use}" if m["busy"] > in_use else "")
             until = "unloading" if m["unloading"] else "forever" if m["until"] is None else str(m["until"])
-            click.echo(f"{m['id']:<32} {m['size_bytes'] / 1e6:>5.0f} MB  {m['engine']:<13} {slots:<7} "
-                       f"{m['context_window'] or '-':>7}  {_ago(time.time() - m['loaded_at']):<16} {until}")
+            click.echo(f"{m['id']:<32} {m['size_bytes'] / 1e6:>5.0f} MB  {m['engine']:<13} {_processor(m):<11} "
+                       f"{slots:<7} {m['context_window'] or '-':>7}  {_ago(time.time() - m['loaded_at']):<16} {until}")
     run(body)
+
+
+def _processor(loaded: dict[str, Any]) -> str:
+    """Where a loaded model runs, for ``localm ps``: CPU, GPU, or the GPU's share of its layers."""
+    device = str(loaded.get("device") or "-")
+    total, on = loaded.get("gpu_layers_total"), loaded.get("gpu_layers_offloaded")
+    if isinstance(total, int) and isinstance(on, int) and on < total:
+        return f"{on}/{total} GPU" if on else "CPU"
+    return "GPU" if device not in ("cpu", "-") else device.upper()
 
 
 @main.command("stop")

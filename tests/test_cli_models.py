@@ -46,13 +46,19 @@ def test_show(s: LocalmServer) -> None:
     assert missing.returncode == 1 and missing.stderr == "Error: Model not found: nosuch\n"
 
 
+def row_of(s: LocalmServer) -> dict[str, Any]:
+    return s.owner().get("/api/models/loaded").json()["models"][0]
+
+
 def test_ps_and_stop(s: LocalmServer) -> None:
     assert s.owner().post("/v1/models/unload").status_code == 200
     assert s.cli("ps").stdout == "No model is loaded.\n"
     assert s.owner().post("/v1/models/load", params={"model": MODEL}).status_code == 200
     lines = s.cli("ps").stdout.splitlines()
-    assert lines[0].split() == ["NAME", "SIZE", "ENGINE", "SLOTS", "CONTEXT", "LOADED", "UNTIL"]
-    assert lines[1].split()[:6] == [MODEL, "98", "MB", "llamacpp", "0/4", "4096"] and lines[1].endswith("forever")
+    assert lines[0].split() == ["NAME", "SIZE", "ENGINE", "PROCESSOR", "SLOTS", "CONTEXT", "LOADED", "UNTIL"]
+    processor = "GPU" if row_of(s)["device"] == "gpu" else "CPU"
+    assert lines[1].split()[:7] == [MODEL, "98", "MB", "llamacpp", processor, "0/4", "4096"]
+    assert lines[1].endswith("forever")
     [row] = json.loads(s.cli("ps", "--json").stdout)
     assert row["id"] == MODEL and row["engine"] == "llamacpp" and row["slots"] == 4 and row["until"] is None
     assert row["active"] is True and row["size_bytes"] > 90_000_000
