@@ -445,7 +445,7 @@ class LlamaEngine:
         #: The LoRA adapters the entry names (lora.py), set on every context the engine opens.
         try:
             self._adapters = lora.Adapters(self.llm._model.model, settings.get("adapters") or (), arch)
-        except spec.EngineError:
+        except Exception:
             if self._projector is not None:
                 self._projector.close()
             self.llm.close()  # frees the adapters opened so far with the model
@@ -1522,7 +1522,7 @@ class LlamaEngine:
         if self._projector is not None:  # before the model it reads
             self._projector.close()
         if self._adapters:  # off the contexts, before the model (lora.py)
-            if self._batch is None and self.reranker:
+            if self.reranker:  # its context is llama-cpp-python's own, still open
                 self._adapters.clear(self.llm._ctx.ctx)
             self._adapters.close()
         for llm in (self.llm, self._embedder):
