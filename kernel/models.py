@@ -9,7 +9,8 @@ sources of their own (``register_model_providers``: ``scheme:...``).
 
 An entry's ``type`` is its file format, which picks the engine; its ``role`` is what it
 does (``chat``, ``embedding``, ``reranker``, ``stt`` for speech-to-text, ``tts`` for
-text-to-speech).
+text-to-speech, ``adapter`` for a LoRA adapter file: applied to a model with ``pull --lora``,
+never loaded alone).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import importlib.metadata as md
 import json
 import os
 import re
+import struct
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -56,7 +58,7 @@ class ModelEntry:
     sha256: str | None = None
     size_bytes: int = 0
     aliases: tuple[str, ...] = ()
-    role: str = "chat"  # "chat", "embedding", "reranker", "stt" or "tts"
+    role: str = "chat"  # "chat", "embedding", "reranker", "stt", "tts", or "adapter" (a LoRA: never loaded alone)
     capabilities: dict[str, Any] = attrs.Factory(dict)
     created: float = 0.0
     #: The engine that serves it, when its file type does not say (a model a plugin provides).
@@ -221,10 +223,13 @@ POOLING_RANK = 4
 
 
 def inspect_gguf(path: Path) -> tuple[dict[str, Any], str]:
-    """(capabilities, role) read from a GGUF header: rank pooling makes a reranker, another
-    pooling without a chat template an embedding model, anything else a chat model."""
+    """(capabilities, role) read from a GGUF header: an adapter file (``general.type`` adapter:
+    a LoRA) is role ``adapter``, rank pooling makes a reranker, another pooling without a chat
+    template an embedding model, anything else a chat model."""
     meta = gguf.metadata(path)
     arch = meta.get("general.architecture", "")
+    if meta.get("general.type") == "adapter":  # applied to a model (pull --lora), never loaded alone
+        return adapter_capabilities(meta), "adapter"
     template = meta.get("tokenizer.chat_template")
     caps: dict[str, Any] = {
         "architecture": arch,
@@ -306,6 +311,15 @@ def inspect_hf(folder: Path) -> tuple[dict[str, Any], str]:
     return caps, "embedding" if embedding else "chat"
 
 
+def adapter_capabilities(meta: dict[str, Any]) -> dict[str, Any]:
+    """What an adapter GGUF's header says: the architecture of the models it applies to, its
+    kind (``adapter.type``: lora) and a LoRA's alpha (None when it does not say)."""
+    alpha = meta.get("adapter.lora.alpha")
+    return {"architecture": meta.get("general.architecture", ""), "adapter_type": meta.get("adapter.type"),
+            "alpha": float(alpha) if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) else None,
+            "name": meta.get("general.name")}
+
+
 def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and (
         any((path / w).is_file() for w in HF_WEIGHTS) or (path / "modules.json").is_file())
@@ -352,7 +366,8 @@ class ModelSource:
 
 
 def _gguf_model(path: Path) -> bool:
-    """A .gguf file that is a model: not a projector (mmproj), which belongs to the model beside it."""
+    """A .gguf file that is a model, or a LoRA adapter (registered with role adapter, to apply to
+    one): not a projector (mmproj), which belongs to the model beside it."""
     return path.suffix == ".gguf" and path.is_file() and gguf.architecture(path) != gguf.PROJECTOR_ARCHITECTURE
 
 
@@ -565,12 +580,173 @@ def check_projector(path: str | Path) -> Path:
     return found.resolve()
 
 
+# --- LoRA adapters: applied to a GGUF model when it loads (pull --lora) --------------------------
+
+def parse_lora(text: str) -> tuple[str, float]:
+    """``ADAPTER[:SCALE]`` (``pull --lora``): the adapter (a registered adapter's name or an
+    adapter file) and its scale, 1.0 when not given. A tail after the last ``:`` that is not a
+    number belongs to the name (a Windows path); a scale must be a finite number."""
+    name, colon, tail = text.rpartition(":")
+    scale = 1.0
+    if colon and name:
+        try:
+            scale = float(tail)
+        except ValueError:
+            name = text
+    else:
+        name = text
+    if not name.strip():
+        raise LocalmError(400, f"--lora {text!r} names no adapter: give ADAPTER or ADAPTER:SCALE", field="lora")
+    return name, check_scale(scale, name)
+
+
+def check_scale(scale: Any, name: str) -> float:
+    """A LoRA adapter's scale: a finite number (0 turns it off; a negative one subtracts it)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale or \
+            scale in (float("inf"), float("-inf")):
+        raise LocalmError(400, f"The scale of the LoRA adapter {name} must be a finite number, got {scale!r}",
+                          field="lora")
+    return float(scale)
+
+
+def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """A GGUF file's tensor shapes (llama.cpp's ne order: the input width first), read from its
+    index as gguf.tensor_names reads the names (no weight is read)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise gguf.GGUFError(f"{path.name} is not a GGUF file")
+        gguf._read(fh, "<I")  # version
+        tensors, kv_count = gguf._read(fh, "<Q"), gguf._read(fh, "<Q")
+        for _ in range(kv_count):
+            gguf._skip(fh, gguf._STRING)  # the key
+            gguf._skip(fh, gguf._read(fh, "<I"))
+        for _ in range(tensors):
+            name = gguf._string(fh)
+            shapes[name] = tuple(gguf._read(fh, "<Q") for _ in range(gguf._read(fh, "<I")))
+            fh.seek(4 + 8, 1)  # type, offset
+    return shapes
+
+
+def lora_misfit(adapter: Path, model: Path) -> str | None:
+    """Why the LoRA ``adapter`` cannot apply to ``model`` (None: it fits), checked as llama.cpp
+    checks it when it loads one: each ``X.lora_a`` has its ``X.lora_b``, X is a tensor of the
+    model, lora_a is [n_in, rank] and lora_b [rank, n_out] where X is [n_in, n_out] (for the
+    token embeddings, the other way round)."""
+    try:
+        mine, theirs = _tensor_shapes(adapter), _tensor_shapes(model)
+    except (OSError, gguf.GGUFError, struct.error) as exc:
+        return f"its tensors cannot be read ({exc})"
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in mine.items():
+        for part in ("lora_a", "lora_b"):
+            if name.endswith("." + part):
+                pairs.setdefault(name[:-len(part) - 1], {})[part] = shape
+                break
+        else:
+            if not name.endswith("_norm.weight"):  # llama.cpp skips norms, refuses anything else
+                return f"its tensor {name} is not a LoRA pair's (.lora_a or .lora_b)"
+    if not pairs:
+        return "it holds no LoRA tensors"
+    for target, pair in sorted(pairs.items()):
+        if len(pair) != 2:
+            return f"its {target} has only {next(iter(pair))}"
+        base = theirs.get(target)
+        if base is None:
+            return f"the model has no tensor {target}"
+        a, b = pair["lora_a"], pair["lora_b"]
+        if len(a) != 2 or len(b) != 2 or len(base) < 2:
+            return f"its {target} pair is not two matrices"
+        if target.endswith("token_embd.weight"):
+            fits = base[0] == b[1] and base[1] == a[1]
+        else:
+            fits = base[0] == a[0] and base[1] == b[1] and a[1] == b[0]
+        if not fits:
+            return (f"its {target} pair ({list(a)} and {list(b)}) does not fit the model's {list(base[:2])} "
+                    "(an adapter for another model of the same architecture?)")
+    return None
+
+
+def check_adapter(path: str | Path, *, label: str | None = None, architecture: str | None = None) -> Path:
+    """A LoRA adapter file (for a model of ``architecture``, when given): a GGUF whose
+    ``general.type`` is adapter and ``adapter.type`` lora, not an activated LoRA (aLoRA,
+    which only acts after its invocation tokens: localm does not watch for them). 400 otherwise."""
+    found = Path(path).expanduser()
+    label = label or found.name or str(path)
+    if not found.is_file():
+        raise LocalmError(400, f"No such LoRA adapter file: {found.name or path}", field="lora")
+    try:
+        meta = gguf.metadata(found)
+    except (OSError, gguf.GGUFError, ValueError, struct.error):
+        raise LocalmError(400, f"{label} is not a LoRA adapter: it is not a GGUF file", field="lora") from None
+    kind = meta.get("general.type")
+    if kind != "adapter":
+        said = f"a GGUF {kind}" if isinstance(kind, str) and kind else "a GGUF model"
+        raise LocalmError(400, f"{label} is not a LoRA adapter: it is {said} (its general.type is not adapter)",
+                          field="lora")
+    if meta.get("adapter.type") != "lora":
+        raise LocalmError(400, f"{label} is not a LoRA adapter: its adapter.type is {meta.get('adapter.type')!r}",
+                          field="lora")
+    if "adapter.alora.invocation_tokens" in meta:
+        raise LocalmError(400, f"{label} is an activated LoRA (aLoRA): localm applies plain LoRA adapters only",
+                          field="lora")
+    arch = meta.get("general.architecture")
+    if architecture is not None and arch != architecture:
+        raise LocalmError(400, f"{label} is a LoRA adapter for {arch or 'an unnamed'} models; this model's "
+                               f"architecture is {architecture or 'unknown'}", field="lora")
+    return found.resolve()
+
+
+def resolve_adapters(registry: Registry, wanted: list[tuple[str, float]] | None) -> tuple[dict[str, Any], ...]:
+    """The adapters ``pull --lora`` names, as an entry holds them: ``{"name", "path", "scale"}``
+    each. A name is a registered adapter (role adapter; it keeps its id) or an adapter file
+    (named by its stem). Each is checked to be a LoRA; that it fits the model is checked once
+    the model is known (``fit_adapters``)."""
+    out: list[dict[str, Any]] = []
+    for raw, scale in wanted or []:
+        if not isinstance(raw, str) or not raw.strip():
+            raise LocalmError(400, "A LoRA adapter must be named: a registered adapter or an adapter file",
+                              field="lora")
+        scale = check_scale(scale, raw)
+        entry = registry.find(raw)
+        if entry is not None:
+            if entry.role != "adapter":
+                raise LocalmError(400, f"{entry.id} is a {entry.role} model, not a LoRA adapter", field="lora")
+            if not Path(entry.path).is_file():
+                raise LocalmError(400, f"The LoRA adapter {entry.id} is registered but its file "
+                                       f"{Path(entry.path).name} is gone", field="lora")
+            path, name = check_adapter(entry.path, label=entry.id), entry.id
+        elif Path(raw).expanduser().exists():
+            path = check_adapter(raw)
+            name = path.name[:-5] if path.name.lower().endswith(".gguf") else path.stem
+        else:
+            hint = " (a scale after the last ':' must be a number)" if ":" in raw else ""
+            raise LocalmError(400, f"No LoRA adapter {raw}: it is neither a registered adapter nor a file{hint}",
+                              field="lora")
+        if any(a["name"] == name for a in out):
+            raise LocalmError(400, f"The LoRA adapter {name} is named twice: give it once, with its scale",
+                              field="lora")
+        out.append({"name": name, "path": str(path), "scale": scale})
+    return tuple(out)
+
+
+def fit_adapters(adapters: tuple[dict[str, Any], ...], model: Path) -> None:
+    """400 unless every adapter applies to the GGUF ``model``: its architecture, its tensors."""
+    arch = gguf.architecture(model) or ""
+    for adapter in adapters:
+        check_adapter(adapter["path"], label=adapter["name"], architecture=arch)
+        why = lora_misfit(Path(adapter["path"]), model)
+        if why is not None:
+            raise LocalmError(400, f"The LoRA adapter {adapter['name']} does not fit {model.name}: {why}",
+                              field="lora")
+
+
 def register_found(registry: Registry, item: Found, *, source: str, aliases: list[str],
                    name: str | None = None, progress: Callable[[int, int], None] | None = None,
-                   projector: Path | None = None) -> ModelEntry:
+                   projector: Path | None = None, adapters: tuple[dict[str, Any], ...] = ()) -> ModelEntry:
     kind = registry.kinds.format(item.type)
     caps, role = kind.inspect(item.path)
-    companions = [] if kind.folder else kind.companions(item.path)
+    companions = [] if kind.folder or role == "adapter" else kind.companions(item.path)
     if projector is not None:  # named with --mmproj: it serves this model wherever it lies
         caps = {**caps, "projector": str(projector), **gguf.projector_capabilities(projector)}
         companions = [projector]
@@ -588,10 +764,12 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
                 progress(done[0], whole)
         digest = sha256_of(item.path, step)
     new_id = model_id(name, named=True) if name else model_id(item.name)
+    if adapters and not name:  # the model with its adapters: a name of its own, beside the plain model's
+        new_id = model_id("-".join([new_id, *(a["name"] for a in adapters)]), named=True)
     free = tuple(a for a in aliases if a != new_id and registry.find(a) is None)  # an alias is a convenience
     entry = ModelEntry(id=new_id, path=str(item.path), source=source, type=item.type,
                        sha256=digest, size_bytes=size, aliases=free,
-                       role=role, capabilities=caps, created=time.time())
+                       role=role, capabilities=caps, created=time.time(), adapters=tuple(adapters))
     existing = registry.find(entry.id)
     replace = existing is not None and existing.path == entry.path
     return registry.add(entry, replace=replace)
@@ -599,15 +777,21 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
 
 def pull(registry: Registry, source: str, *, name: str | None = None, log: Callable[[str], None] = lambda s: None,
          pip: Callable[[str], None], progress: Callable[[int, int], None] | None = None,
-         projector: str | None = None) -> list[ModelEntry]:
+         projector: str | None = None, adapters: list[tuple[str, float]] | None = None) -> list[ModelEntry]:
     """Register the models of ``source``: a plugin's source scheme first (``scheme:...``),
     else a pypi: package, a hub repository or a local file or folder in a known format.
-    ``projector`` (``--mmproj``) pairs one GGUF model with the projector at that path."""
+    ``projector`` (``--mmproj``) pairs one GGUF model with the projector at that path;
+    ``adapters`` (``--lora``: (adapter, scale) pairs, each a registered adapter or an adapter
+    file) are applied to one GGUF model whenever it loads."""
     paired = check_projector(projector) if projector else None
+    loras = resolve_adapters(registry, adapters)
     provider = registry.kinds.source(source)
     if paired is not None and provider is not None:
         raise LocalmError(400, f"--mmproj pairs a projector with a GGUF file; {provider.scheme}: sources bring "
                                "their own models")
+    if loras and provider is not None:
+        raise LocalmError(400, f"--lora applies an adapter to a GGUF file; {provider.scheme}: sources bring "
+                               "their own models", field="lora")
     if provider is not None:
         entries = list(provider.pull(source, registry=registry, name=name, log=log))
         if not entries or not all(isinstance(e, ModelEntry) for e in entries):
@@ -618,11 +802,24 @@ def pull(registry: Registry, source: str, *, name: str | None = None, log: Calla
         raise LocalmError(400, f"--mmproj pairs a projector with one GGUF model; {Path(source).name or source} "
                                f"holds {len(found)} models" if len(found) != 1 else
                                f"--mmproj pairs a projector with a GGUF model, not a {found[0].type} one")
+    if loras:
+        if len(found) != 1 or found[0].type != "gguf":
+            raise LocalmError(400, f"--lora applies an adapter to one GGUF model; {Path(source).name or source} "
+                                   f"holds {len(found)} models" if len(found) != 1 else
+                                   f"--lora applies an adapter to a GGUF model, not a {found[0].type} one",
+                              field="lora")
+        if registry.kinds.format("gguf").inspect(found[0].path)[1] == "adapter":
+            raise LocalmError(400, f"{found[0].path.name} is a LoRA adapter itself: --lora applies adapters to "
+                                   "a model", field="lora")
+        fit_adapters(loras, found[0].path)
+        aliases = []  # the source's aliases name the plain model
     out = []
     for i, item in enumerate(found):
-        log(f"Registering {item.path.name} ({item.type})" + (f" with the projector {paired.name}" if paired else ""))
+        log(f"Registering {item.path.name} ({item.type})" + (f" with the projector {paired.name}" if paired else "")
+            + (f" with the LoRA adapters {', '.join(a['name'] for a in loras)}" if loras else ""))
         out.append(register_found(registry, item, source=canonical, aliases=aliases if i == 0 else [],
-                                  name=name if len(found) == 1 else None, progress=progress, projector=paired))
+                                  name=name if len(found) == 1 else None, progress=progress, projector=paired,
+                                  adapters=loras))
     return out
 
 

@@ -124,6 +124,9 @@ async def load_model(request: Request, model: str | None = None, gpu_layers: str
     slots = int(getattr(resident.engine, "slots", 1) or 1)
     if slots > 1:  # it answers that many requests at once
         out["parallel_slots"] = slots
+    adapters = getattr(resident.engine, "adapters", None)
+    if adapters:  # the LoRA adapters applied: names and scales (no path leaves the server)
+        out["adapters"] = [{"name": a["name"], "scale": a["scale"]} for a in adapters]
     return out
 
 

@@ -31,7 +31,7 @@ from localm.sdk import engines as spec
 from localm.sdk.gguf import GGUFError, find_projector, metadata, tensor_names
 from localm.sdk.storage import atomic_write_bytes
 
-from . import placement, vision
+from . import lora, placement, vision
 
 log = logging.getLogger("localm.plugin.llamacpp")
 
@@ -448,7 +448,17 @@ class LlamaEngine:
         if self._projector is not None:
             self.capabilities = attrs.evolve(self.capabilities, vision=self._projector.vision,
                                              audio=self._projector.audio)
+        #: The LoRA adapters the entry names (lora.py), set on every context the engine opens.
+        try:
+            self._adapters = lora.Adapters(self.llm._model.model, settings.get("adapters") or (), arch)
+        except Exception:
+            if self._projector is not None:
+                self._projector.close()
+            self.llm.close()  # frees the adapters opened so far with the model
+            raise
+        self.adapters = self._adapters.public
         if self.reranker:
+            self._adapters.apply(self.llm._ctx.ctx)
             self._queue = spec.Serial("llamacpp")
             self._n_ctx_slot = self._window
         else:
@@ -803,6 +813,8 @@ class LlamaEngine:
                 "layers": self.capabilities.layers, "hidden": self.capabilities.hidden_size,
                 "vocab": self._n_vocab, "flash_attn": self._flash,
                 "llama_cpp": getattr(llama_cpp, "__version__", ""),
+                # states computed through LoRA adapters are theirs (files, scales)
+                **({"adapters": self._adapters.identity} if self._adapters else {}),
                 # a picture's cached rows are this projector's output
                 **({"mmproj": self._projector.identity} if self._projector is not None else {})}
 
@@ -906,7 +918,13 @@ class LlamaEngine:
             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.cb_eval = self._eval_callback() if probe else llama_cpp.ggml_backend_sched_eval_callback()
         try:
-            return internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+            fresh = internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
+            try:
+                self._adapters.apply(fresh.ctx)  # every context computes with the model's LoRA adapters
+            except Exception:
+                fresh.close()
+                raise
+            return fresh
         except Exception:
             params.n_ctx, params.n_seq_max, params.kv_unified, params.n_batch, params.flash_attn_type = old
             raise
@@ -1410,6 +1428,14 @@ class LlamaEngine:
                                              n_threads=self._threads, n_batch=window,
                                              pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, verbose=False,
                                              **self._gpu_options)
+            if self._adapters:  # it embeds as the model it serves: with the same LoRA adapters
+                try:
+                    lora.attach(self._embedder, self._adapters.applied)
+                except spec.EngineError as exc:
+                    self._embedder.close()
+                    self._embedder = None
+                    raise sdk.LocalmError(500, f"llama.cpp could not embed with the model's LoRA adapters: {exc}",
+                                          code="embedding_failed") from exc
         window = self._embedder.n_ctx()
         for text in texts:
             size = len(self._embedder.tokenize(text.encode("utf-8"), add_bos=False))
@@ -1569,6 +1595,10 @@ class LlamaEngine:
             self._media_batch = None
         if self._projector is not None:  # before the model it reads
             self._projector.close()
+        if self._adapters:  # off the contexts, before the model (lora.py)
+            if self.reranker:  # its context is llama-cpp-python's own, still open
+                self._adapters.clear(self.llm._ctx.ctx)
+            self._adapters.close()
         for llm in (self.llm, self._embedder):
             if llm is not None and hasattr(llm, "close"):
                 llm.close()
@@ -1586,6 +1616,8 @@ def register_engines(register, plugin):
         paired = (getattr(entry, "capabilities", None) or {}).get("projector")
         if paired and "mmproj" not in options:  # registered with localm pull --mmproj
             settings["mmproj"] = paired
+        if getattr(entry, "adapters", None) and "adapters" not in options:  # pull --lora, a Modelfile's ADAPTER
+            settings["adapters"] = [dict(a) for a in entry.adapters]
         if settings.get("cache_persist"):
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in entry.id).lstrip(".") or "model"
             settings["cache_dir"] = str(plugin.data_dir / "prompt-cache" / name)

@@ -66,6 +66,11 @@ async def read_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
         out["audio_input"] = bool(caps.get("audio_input"))
     out["capabilities"] = caps
     resident = models.resident.get(entry.id)
+    applied = getattr(resident.engine, "adapters", None) if resident is not None else None
+    if applied or entry.adapters:  # the LoRA adapters it loads with (applied now, when loaded): each
+        # file by its name, as path is: no absolute path leaves the server
+        out["adapters"] = [{"name": a.get("name"), "scale": a.get("scale"),
+                            "path": Path(str(a.get("path", ""))).name} for a in (applied or entry.adapters)]
     if resident is not None:
         engine = resident.engine
         out["engine"] = engine.engine
