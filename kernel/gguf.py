@@ -144,7 +144,13 @@ def architecture(path: str | Path) -> str | None:
 def tensor_names(path: str | Path) -> set[str]:
     """The tensor names of a GGUF file, read from its index (no weight is read); GGUFError when
     it is not a GGUF file or its header is cut short."""
-    names: set[str] = set()
+    return set(tensor_shapes(path))
+
+
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, by name, in llama.cpp's ``ne`` order (the input width first), read
+    from the file's index (no weight is read); GGUFError as ``tensor_names``."""
+    shapes: dict[str, tuple[int, ...]] = {}
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise GGUFError(f"{Path(path).name} is not a GGUF file")
@@ -154,9 +160,10 @@ def tensor_names(path: str | Path) -> set[str]:
             _skip(fh, _STRING)  # the key
             _skip(fh, _read(fh, "<I"))
         for _ in range(tensors):
-            names.add(_string(fh))
-            fh.seek(8 * _read(fh, "<I") + 4 + 8, 1)  # dimensions, type, offset
-    return names
+            name = _string(fh)
+            shapes[name] = tuple(_read(fh, "<Q") for _ in range(_read(fh, "<I")))
+            fh.seek(4 + 8, 1)  # type, offset
+    return shapes
 
 
 def find_projector(model_path: str | Path) -> Path | None:

@@ -24,6 +24,8 @@ def capability_names(entry: ModelEntry) -> list[str]:
         return ["embedding"]
     if entry.role == "reranker":
         return ["rerank"]
+    if entry.role == "adapter":  # a LoRA: it changes a model, it answers nothing
+        return []
     out = ["completion", "tools"]
     for key, name in (("reasoning", "thinking"), ("vision", "vision"), ("audio_input", "audio")):
         if caps.get(key):

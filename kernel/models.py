@@ -609,32 +609,13 @@ def check_scale(scale: Any, name: str) -> float:
     return float(scale)
 
 
-def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """A GGUF file's tensor shapes (llama.cpp's ne order: the input width first), read from its
-    index as gguf.tensor_names reads the names (no weight is read)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    with open(path, "rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise gguf.GGUFError(f"{path.name} is not a GGUF file")
-        gguf._read(fh, "<I")  # version
-        tensors, kv_count = gguf._read(fh, "<Q"), gguf._read(fh, "<Q")
-        for _ in range(kv_count):
-            gguf._skip(fh, gguf._STRING)  # the key
-            gguf._skip(fh, gguf._read(fh, "<I"))
-        for _ in range(tensors):
-            name = gguf._string(fh)
-            shapes[name] = tuple(gguf._read(fh, "<Q") for _ in range(gguf._read(fh, "<I")))
-            fh.seek(4 + 8, 1)  # type, offset
-    return shapes
-
-
 def lora_misfit(adapter: Path, model: Path) -> str | None:
     """Why the LoRA ``adapter`` cannot apply to ``model`` (None: it fits), checked as llama.cpp
     checks it when it loads one: each ``X.lora_a`` has its ``X.lora_b``, X is a tensor of the
     model, lora_a is [n_in, rank] and lora_b [rank, n_out] where X is [n_in, n_out] (for the
     token embeddings, the other way round)."""
     try:
-        mine, theirs = _tensor_shapes(adapter), _tensor_shapes(model)
+        mine, theirs = gguf.tensor_shapes(adapter), gguf.tensor_shapes(model)
     except (OSError, gguf.GGUFError, struct.error) as exc:
         return f"its tensors cannot be read ({exc})"
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}

@@ -4,7 +4,7 @@ Ollama API's /api/show, a model browser). Long arrays (vocabularies, merges) com
 is the projector (mmproj) beside a model file, ``projector_capabilities(path)`` what it adds."""
 
 from localm.kernel.gguf import (FILE_TYPES, PROJECTOR_ARCHITECTURE, GGUFError, architecture, find_projector,
-                                header, metadata, projector_capabilities, tensor_names)
+                                header, metadata, projector_capabilities, tensor_names, tensor_shapes)
 
 __all__ = ["FILE_TYPES", "PROJECTOR_ARCHITECTURE", "GGUFError", "architecture", "find_projector", "header",
-           "metadata", "projector_capabilities", "tensor_names"]
+           "metadata", "projector_capabilities", "tensor_names", "tensor_shapes"]
