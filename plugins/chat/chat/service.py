@@ -42,7 +42,7 @@ from localm import sdk
 from localm.sdk import engines as spec
 from localm.sdk.chat import ChatRequest, Origins, Scores
 
-from . import compaction, constrained, fields, hooks, pipeline, routing, scoring
+from . import compaction, constrained, defaults, fields, hooks, pipeline, routing, scoring
 from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
@@ -635,6 +635,14 @@ class ChatService:
         r = Reader(body, asked.origins)
         parsed = read(r)
         r.done()
+        # the asked model's defaults (a Modelfile's system prompt, options, messages) fill what
+        # the request leaves out, before the inlet hooks see it (defaults.py)
+        filled = defaults.apply(body, self._resolve(asked, parsed.common.model), kind)
+        if filled is not body:
+            body = filled
+            r = Reader(body, asked.origins)
+            parsed = read(r)
+            r.done()
         media = r.media
         caller = sdk.caller(request) if request is not None else None
         chain = hooks.Chain(self.host, route=route, streamed=parsed.common.stream, caller=caller)

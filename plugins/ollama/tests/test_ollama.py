@@ -362,15 +362,10 @@ def test_the_chat_services_refusals_name_ollama_fields(client: Any) -> None:
     assert err.error == "options.stop holds 17 sequences; at most 16 are accepted"
 
 
-def test_not_served_routes_say_what_to_do(server: LocalmServer, client: Any, tmp_path: Path) -> None:
-    err = refused(lambda: client.create(model="mine", from_=MODEL, system="Be brief."))
-    assert err.status_code == 501 and "localm pull" in err.error
-    assert refused(lambda: client.push("mine")).status_code == 501
-    blob = tmp_path / "blob.bin"
-    blob.write_bytes(b"weights")
-    err = refused(lambda: client.create_blob(blob))
-    assert err.status_code == 501 and "/api/pull" in err.error
-    assert httpx.head(server.url + "/api/blobs/sha256:0123").status_code == 501
+def test_push_is_not_served_and_says_why(client: Any) -> None:
+    """/api/create, /api/blobs and library pulls: test_ollama_create.py."""
+    err = refused(lambda: client.push("mine"))
+    assert err.status_code == 501 and "keeps no registry of its own" in err.error
 
 
 # --- keep_alive ------------------------------------------------------------------------------
