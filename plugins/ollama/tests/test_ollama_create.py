@@ -124,6 +124,9 @@ def registry() -> Iterator[Registry]:
                                        ("application/vnd.ollama.image.system", SYSTEM.encode()),
                                        ("application/vnd.ollama.image.params", params),
                                        ("application/vnd.ollama.image.license", b"Apache-2.0")])
+    r.add("library/broken", "latest", [("application/vnd.ollama.image.model", gguf_path()),
+                                       ("application/vnd.ollama.image.system", b"A layer served wrong.")])
+    r.blobs["sha256:" + sha256(b"A layer served wrong.")] = b"Other bytes entirely"
     thread = threading.Thread(target=r.serve_forever, daemon=True)
     thread.start()
     yield r
@@ -263,6 +266,66 @@ def test_create_streams_status_lines_and_replaces_a_model_of_that_name(server: L
     assert "top_k          5" in shown["parameters"]
 
 
+# --- pulling from an Ollama registry -------------------------------------------------------------
+
+def test_pull_a_library_name_from_a_registry(server: LocalmServer, owner: Any, client: Any,
+                                             registry: Registry) -> None:
+    steps = list(owner.pull("smolpirate:v1", stream=True))
+    statuses = [s.status for s in steps]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+    assert "verifying sha256 digest" in statuses and "writing manifest" in statuses
+    model_digest = "sha256:" + sha256(gguf_path())
+    pulled = [s for s in steps if s.digest == model_digest]
+    assert pulled and pulled[-1].completed == pulled[-1].total == gguf_path().stat().st_size
+    system_digest = "sha256:" + sha256(SYSTEM.encode())
+    assert f"/v2/library/smolpirate/blobs/{system_digest}" in registry.requests
+    assert f"/v2/library/smolpirate/blobs/{model_digest}" in registry.requests
+    shown = show(server, "smolpirate:v1")
+    assert shown["system"] == SYSTEM and shown["license"] == "Apache-2.0"
+    assert "num_predict    5" in shown["parameters"] and "num_keep       4" in shown["parameters"]
+    made = client.chat(model="smolpirate:v1", messages=QUESTION)
+    base = client.chat(model=MODEL, messages=[{"role": "system", "content": SYSTEM}, *QUESTION],
+                       options={"temperature": 0, "num_predict": 5})
+    assert made.message.content == base.message.content and made.eval_count == 5
+    # again: every layer is here already
+    assert owner.pull("library/smolpirate:v1").status == "success"
+
+
+def test_a_layer_that_fails_its_digest_leaves_nothing(server: LocalmServer, owner: Any, client: Any) -> None:
+    before = blobs_of(server)
+    lines = [json.loads(line) for line in httpx.post(
+        server.url + "/api/pull", json={"model": "broken"}, headers={"Authorization": f"Bearer {server.token}"},
+        timeout=300).text.splitlines()]
+    assert lines[0] == {"status": "pulling manifest"}
+    assert "digest mismatch" in lines[-1]["error"] and "success" not in [x.get("status") for x in lines]
+    assert [b for b in blobs_of(server) if b not in before] in ([], ["sha256-" + sha256(gguf_path())])
+    assert not [b for b in blobs_of(server) if b.startswith(".partial")]
+    assert "broken" not in names(client)
+
+
+def test_pull_errors_name_the_registry(server: LocalmServer, owner: Any, registry: Registry) -> None:
+    err = refused(lambda: owner.pull("no-such-model:v9"))
+    assert err.status_code == 404 and "not in the Ollama library" in err.error
+    err = refused(lambda: owner.pull("registry.example.com/library/x:v1"))
+    assert err.status_code == 400 and "registry_url" in err.error
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    admin = server.owner()
+    r = admin.post("/v1/plugins/ollama/settings", json={"registry_url": closed})
+    assert r.status_code == 200, r.text
+    try:
+        err = refused(lambda: owner.pull("llama3.2"))
+        host = closed.removeprefix("http://")
+        assert err.status_code == 502
+        assert err.error.startswith(f"The Ollama library ({host}) cannot be reached from this machine: ")
+    finally:
+        assert admin.post("/v1/plugins/ollama/settings", json={"registry_url": registry.url}).status_code == 200
+    # localm's own sources keep their meaning: a path is a path
+    err = refused(lambda: owner.pull(str(server.data_dir / "no-such.gguf")))
+    assert err.status_code == 400 and "No such file" in err.error
+
+
 # --- create from an uploaded blob, and the legacy Modelfile -----------------------------------
 
 def test_create_from_an_uploaded_blob(server: LocalmServer, owner: Any, client: Any) -> None:
@@ -341,6 +404,38 @@ def test_a_bad_modelfile_line_is_named_and_nothing_is_made(server: LocalmServer,
     assert r.status == "success"
 
 
+def adapter_gguf() -> bytes:
+    """A GGUF header that says it is a LoRA adapter (no tensors: recorded, never loaded here)."""
+    import struct
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    kv = [("general.architecture", "llama"), ("general.type", "adapter"), ("adapter.type", "lora")]
+    body = b"".join(string(k) + struct.pack("<I", 8) + string(v) for k, v in kv)
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv)) + body
+
+
+def test_adapters_are_recorded(server: LocalmServer) -> None:
+    owner = server.owner()
+    data = adapter_gguf()
+    digest = "sha256:" + sha256(data)
+    assert owner.post(f"/api/blobs/{digest}", content=data).status_code == 201
+    r = owner.post("/api/create", json={"model": "pirate-lora", "from": MODEL, "adapters": {"lora.gguf": digest},
+                                        "stream": False})
+    assert r.status_code == 200, r.text
+    shown = show(server, "pirate-lora")
+    assert "ADAPTER lora.gguf" in shown["modelfile"]
+    entry = json.loads((server.data_dir / "models.json").read_text())
+    adapters = next(m["adapters"] for m in entry["models"] if m["id"] == "pirate-lora")
+    assert adapters == [{"name": "lora.gguf", "scale": 1.0,
+                         "path": str(server.data_dir / "plugin-data" / "ollama" / "blobs" / f"sha256-{digest[7:]}")}]
+    model_digest = "sha256:" + sha256(gguf_path())
+    r = owner.post("/api/create", json={"model": "bad", "from": MODEL, "adapters": {"m.gguf": model_digest}})
+    assert r.status_code in (400, 404) and ("not a LoRA adapter" in r.json()["error"] or "not found" in
+                                            r.json()["error"])
+
+
 # --- blobs -----------------------------------------------------------------------------------
 
 def test_blobs_head_post_and_a_wrong_digest(server: LocalmServer) -> None:
@@ -366,53 +461,6 @@ def test_blobs_head_post_and_a_wrong_digest(server: LocalmServer) -> None:
     # open mode: a program without the attach token may not write files
     assert httpx.post(f"{server.url}/api/blobs/{digest}", content=data).status_code in (401, 403)
     assert httpx.post(f"{server.url}/api/create", json={"model": "x", "from": MODEL}).status_code in (401, 403)
-
-
-# --- pulling from an Ollama registry -------------------------------------------------------------
-
-def test_pull_a_library_name_from_a_registry(server: LocalmServer, owner: Any, client: Any,
-                                             registry: Registry) -> None:
-    steps = list(owner.pull("smolpirate:v1", stream=True))
-    statuses = [s.status for s in steps]
-    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
-    assert "verifying sha256 digest" in statuses and "writing manifest" in statuses
-    model_digest = "sha256:" + sha256(gguf_path())
-    pulled = [s for s in steps if s.digest == model_digest]
-    assert pulled and pulled[-1].completed == pulled[-1].total == gguf_path().stat().st_size
-    system_digest = "sha256:" + sha256(SYSTEM.encode())
-    assert f"/v2/library/smolpirate/blobs/{system_digest}" in registry.requests  # a layer not here yet
-    shown = show(server, "smolpirate:v1")
-    assert shown["system"] == SYSTEM and shown["license"] == "Apache-2.0"
-    assert "num_predict    5" in shown["parameters"] and "num_keep       4" in shown["parameters"]
-    made = client.chat(model="smolpirate:v1", messages=QUESTION)
-    base = client.chat(model=MODEL, messages=[{"role": "system", "content": SYSTEM}, *QUESTION],
-                       options={"temperature": 0, "num_predict": 5})
-    assert made.message.content == base.message.content and made.eval_count == 5
-    # again: every layer is here already
-    assert owner.pull("library/smolpirate:v1").status == "success"
-
-
-def test_pull_errors_name_the_registry(server: LocalmServer, owner: Any, registry: Registry) -> None:
-    err = refused(lambda: owner.pull("no-such-model:v9"))
-    assert err.status_code == 404 and "not in the Ollama library" in err.error
-    err = refused(lambda: owner.pull("registry.example.com/library/x:v1"))
-    assert err.status_code == 400 and "registry_url" in err.error
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
-    admin = server.owner()
-    r = admin.post("/v1/plugins/ollama/settings", json={"registry_url": closed})
-    assert r.status_code == 200, r.text
-    try:
-        err = refused(lambda: owner.pull("llama3.2"))
-        host = closed.removeprefix("http://")
-        assert err.status_code == 502
-        assert err.error.startswith(f"The Ollama library ({host}) cannot be reached from this machine: ")
-    finally:
-        assert admin.post("/v1/plugins/ollama/settings", json={"registry_url": registry.url}).status_code == 200
-    # localm's own sources keep their meaning: a path is a path
-    err = refused(lambda: owner.pull(str(server.data_dir / "no-such.gguf")))
-    assert err.status_code == 400 and "No such file" in err.error
 
 
 def test_push_is_refused_with_the_reason(owner: Any) -> None:
