@@ -24,6 +24,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from localm import sdk
@@ -444,6 +445,13 @@ def _pull_failure(exc: Exception, source: str, redact: Any) -> sdk.LocalmError:
     return sdk.LocalmError(exc.status, detail, code=exc.code)
 
 
+def _exists(source: str) -> bool:
+    try:
+        return "\0" not in source and Path(source).expanduser().exists()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
 @sdk.post("/api/pull", scope="models:write", error_family="ollama",
           summary="Ollama pull: register models from a local file or folder, pypi: or hf:",
           body=schema.OllamaPullRequest, errors={**schema.MODEL_ERRORS, 500: "The source is not a model"})
@@ -459,7 +467,13 @@ async def pull_route(request: sdk.Request) -> Any:
         ignored.append("insecure")  # a local source: nothing is fetched from a registry
     library = manage.library_name(source, str(sdk.plugin_of(request).settings.get("registry_url")
                                               or manage.Settings().registry_url))
-    if library is not None and host.models.kinds.source(source) is None:
+    local = host.models.kinds.source(source) is None and not source.startswith(("pypi:", "hf:")) and (
+        manage.looks_like_path(source) or _exists(source))
+    if local and not manage.may_read_files(sdk.caller(request)):
+        raise sdk.LocalmError(403, "Pulling a file or folder on this server's disk is for the owner (or a key minted "
+                                   "with fs_access=host): pull pypi:, hf: or an Ollama library name, or upload a GGUF "
+                                   "with /api/blobs and /api/create", code="fs_access_denied")
+    if library is not None and not local and host.models.kinds.source(source) is None:
         if body.insecure:
             ignored.remove("insecure")  # the registry_url setting says http or https
         headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)

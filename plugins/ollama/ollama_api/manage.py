@@ -277,8 +277,6 @@ def _request_fields(body: dict[str, Any]) -> dict[str, Any]:
             fields = modelfile.parse(text)
         except modelfile.ModelfileError as exc:
             raise sdk.LocalmError(400, f"modelfile: {exc}", code="invalid_modelfile") from None
-        if "requires" in fields:
-            fields.pop("requires")  # the Ollama version a model needs: localm serves it or says why on load
     for key in ("from", "files", "adapters", "template", "license", "system", "parameters", "messages",
                 "quantize"):
         if body.get(key) is not None:
@@ -294,6 +292,8 @@ def plan_create(host: Any, plugin: Any, body: dict[str, Any], caller: Any, name:
     """Check a create request and build the entry it registers (nothing is written)."""
     fields = _request_fields(body)
     steps: list[str] = []
+    if fields.get("requires"):  # the Ollama version a model needs: localm loads it or says why it cannot
+        steps.append(f"REQUIRES {fields['requires']} is not checked by localm")
     new_id = sdk.model_id(name.removesuffix(":latest"), named=True)
     system = _text(fields, "system")
     template = _text(fields, "template")

@@ -136,7 +136,7 @@ class OllamaPullRequest(OllamaModelRequest, kw_only=True):
 
 #: The fields POST /api/create reads.
 CREATE_FIELDS = {"model", "name", "from", "files", "adapters", "template", "license", "system", "parameters",
-                 "messages", "quantize", "stream", "modelfile", "path"}
+                 "messages", "quantize", "stream", "modelfile"}
 
 
 class OllamaCreateRequest(sdk.Struct, kw_only=True, rename={"from_": "from"}):

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from localm.sdk.testing import LocalmServer
+from localm.sdk.testing import LocalmServer, plugin_module
 
 ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
@@ -191,8 +191,8 @@ def test_a_created_model_answers_with_its_system_and_parameters_on_every_surface
         server: LocalmServer, client: Any, pirate: str) -> None:
     """The created model answers as the base model does when a request spells out the same
     system prompt and options: greedy (temperature 0), with the system prompt first, capped at
-    num_predict tokens, on /api/chat, /api/generate, /v1/chat/completions, /v1/responses and
-    /v1/messages."""
+    num_predict tokens, on /api/chat, /api/generate, /v1/chat/completions, /v1/completions (the
+    options only: a raw prompt has no system message), /v1/responses and /v1/messages."""
     spelled = [{"role": "system", "content": SYSTEM}, *QUESTION]
     options = {"temperature": 0, "num_predict": CAP, "seed": 1}
 
@@ -214,6 +214,10 @@ def test_a_created_model_answers_with_its_system_and_parameters_on_every_surface
     assert made.choices[0].message.content == base.choices[0].message.content
     assert made.usage.completion_tokens == CAP and made.choices[0].finish_reason == "length"
     assert made.usage.prompt_tokens == base.usage.prompt_tokens  # the system prompt is in the prompt
+    made = oa.completions.create(model=pirate, prompt="The sea is")  # a raw completion: the options only
+    base = oa.completions.create(model=MODEL, prompt="The sea is", temperature=0, max_tokens=CAP, seed=1)
+    assert made.choices[0].text == base.choices[0].text and made.usage.completion_tokens == CAP
+    assert made.usage.prompt_tokens == base.usage.prompt_tokens
     made = oa.responses.create(model=pirate, input=QUESTION[0]["content"])
     base = oa.responses.create(model=MODEL, instructions=SYSTEM, input=QUESTION[0]["content"], temperature=0,
                                max_output_tokens=CAP)
@@ -436,6 +440,21 @@ def test_adapters_are_recorded(server: LocalmServer) -> None:
                                             r.json()["error"])
 
 
+def test_a_rendered_modelfile_reads_back_as_it_was() -> None:
+    """What /api/show writes as ``modelfile`` is a Modelfile: read again, it says the same."""
+    mf = plugin_module("ollama", "ollama_api.modelfile")
+    defaults = {"system": 'Two lines,\nwith "quotes".', "template": "{{ .Prompt }}",
+                "options": {"temperature": 0.5, "stop": ["<|im_end|>", "END"], "num_predict": 8,
+                            "penalize_newline": True},
+                "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ahoy\nthere"}],
+                "license": ["MIT", "and more\nlines"]}
+    text = mf.render("model.gguf", defaults, ["lora.gguf"], note="made by a test")
+    back = mf.parse(text)
+    assert back == {"from": "model.gguf", "template": defaults["template"], "system": defaults["system"],
+                    "parameters": defaults["options"], "adapters": ["lora.gguf"],
+                    "messages": defaults["messages"], "license": defaults["license"]}
+
+
 # --- blobs -----------------------------------------------------------------------------------
 
 def test_blobs_head_post_and_a_wrong_digest(server: LocalmServer) -> None:
@@ -491,6 +510,10 @@ def test_keys_without_models_write_or_file_access_are_refused(tmp_path: Path) ->
         modelfile = f"FROM {gguf_path()}\nSYSTEM hi\n"
         r = s.client(writer).post("/api/create", json={"model": "mine", "modelfile": modelfile})
         assert r.status_code == 403
+        # nor pull one (a path that exists or not: the answer says nothing of the disk)
+        for path in (str(gguf_path()), str(tmp_path / "no-such.gguf"), str(tmp_path)):
+            r = s.client(writer).post("/api/pull", json={"model": path, "stream": False})
+            assert r.status_code == 403 and "fs_access=host" in r.json()["error"], r.text
         assert not (s.data_dir / "plugin-data" / "ollama" / "blobs").exists() or \
             not list((s.data_dir / "plugin-data" / "ollama" / "blobs").iterdir())
         assert [m.model for m in w.list().models] == [MODEL]
