@@ -445,6 +445,13 @@ def _pull_failure(exc: Exception, source: str, redact: Any) -> sdk.LocalmError:
     return sdk.LocalmError(exc.status, detail, code=exc.code)
 
 
+async def _registered(entry: Any) -> AsyncIterator[dict[str, Any]]:
+    """A pull of a name registered from a source of localm's own (a file, pypi:, hf:): it is here
+    and up to date, as Ollama answers a pull of a model it has."""
+    yield {"status": f"{entry.id} is registered from {info.shown_source(entry)}: nothing to fetch"}
+    yield {"status": "success", "models": [entry.id]}
+
+
 def _exists(source: str) -> bool:
     try:
         return "\0" not in source and Path(source).expanduser().exists()
@@ -477,7 +484,14 @@ async def pull_route(request: sdk.Request) -> Any:
         if body.insecure:
             ignored.remove("insecure")  # the registry_url setting says http or https
         headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)
-        events = manage.pull_library(sdk.plugin_of(request), host, library).__aiter__()
+        try:
+            have = resolve(host, source)
+        except sdk.LocalmError:
+            have = None
+        if have is not None and not have.source.startswith("ollama:"):
+            events = _registered(have).__aiter__()  # a model of localm's own: nothing to fetch
+        else:  # a new name, or one pulled from a registry before: fetched (what changed)
+            events = manage.pull_library(sdk.plugin_of(request), host, library).__aiter__()
     else:
         headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)
         events = host.models.pull(source).__aiter__()

@@ -325,6 +325,11 @@ def test_pull_errors_name_the_registry(server: LocalmServer, owner: Any, registr
         assert err.error.startswith(f"The Ollama library ({host}) cannot be reached from this machine: ")
     finally:
         assert admin.post("/v1/plugins/ollama/settings", json={"registry_url": registry.url}).status_code == 200
+    # a name registered here from a source of localm's own: nothing to fetch, as Ollama answers a
+    # pull of a model it has
+    assert owner.pull(MODEL).status == "success"
+    r = admin.post("/api/pull", json={"model": MODEL + ":latest", "stream": False})
+    assert r.json() == {"status": "success", "models": [MODEL]}
     # localm's own sources keep their meaning: a path is a path
     err = refused(lambda: owner.pull(str(server.data_dir / "no-such.gguf")))
     assert err.status_code == 400 and "No such file" in err.error
