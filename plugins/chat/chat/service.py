@@ -42,7 +42,7 @@ from localm import sdk
 from localm.sdk import engines as spec
 from localm.sdk.chat import ChatRequest, Origins, Scores
 
-from . import compaction, constrained, fields, hooks, pipeline, routing, scoring
+from . import compaction, constrained, defaults, fields, hooks, pipeline, routing, scoring
 from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
@@ -635,6 +635,16 @@ class ChatService:
         r = Reader(body, asked.origins)
         parsed = read(r)
         r.done()
+        # the asked model's defaults (a Modelfile's system prompt, options, messages) fill what
+        # the request leaves out, before the inlet hooks see it (defaults.py)
+        asked_model = parsed.common.model
+        resolved = self._resolve(asked, asked_model)  # resolved once: again only if an inlet hook changes it
+        filled = defaults.apply(body, resolved, kind)
+        if filled is not body:
+            body = filled
+            r = Reader(body, asked.origins)
+            parsed = read(r)
+            r.done()
         media = r.media
         caller = sdk.caller(request) if request is not None else None
         chain = hooks.Chain(self.host, route=route, streamed=parsed.common.stream, caller=caller)
@@ -646,7 +656,9 @@ class ChatService:
         if changed_by:
             parsed, media = checked
         chain.state.media = media
-        found = self._route(self._resolve(asked, parsed.common.model), parsed, chain)
+        if parsed.common.model != asked_model:
+            resolved = self._resolve(asked, parsed.common.model)
+        found = self._route(resolved, parsed, chain)
         steering = await self._interventions(hooked, found)
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
         if chain.state.routing is not None and chain.state.routing.header is not None:

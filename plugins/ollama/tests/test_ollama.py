@@ -283,8 +283,10 @@ def test_pull_copy_delete(server: LocalmServer, client: Any, owner: Any, tmp_pat
 
 
 def test_pull_failures(owner: Any, tmp_path: Path) -> None:
-    err = refused(lambda: owner.pull("llama3.2"))
-    assert err.status_code == 400 and "does not download from the Ollama library" in err.error
+    # an Ollama library name from another registry than registry_url's (library pulls from a
+    # registry on loopback, and an unreachable one: test_ollama_create.py)
+    err = refused(lambda: owner.pull("registry.example.invalid/library/llama3.2:1b"))
+    assert err.status_code == 400 and "registry_url" in err.error
     err = refused(lambda: owner.pull("hf:localm-test/no-such-repo"))  # offline here: a clear error, at once
     assert err.status_code == 502 and "Hugging Face" in err.error
     bad = tmp_path / "bad.gguf"
@@ -362,15 +364,10 @@ def test_the_chat_services_refusals_name_ollama_fields(client: Any) -> None:
     assert err.error == "options.stop holds 17 sequences; at most 16 are accepted"
 
 
-def test_not_served_routes_say_what_to_do(server: LocalmServer, client: Any, tmp_path: Path) -> None:
-    err = refused(lambda: client.create(model="mine", from_=MODEL, system="Be brief."))
-    assert err.status_code == 501 and "localm pull" in err.error
-    assert refused(lambda: client.push("mine")).status_code == 501
-    blob = tmp_path / "blob.bin"
-    blob.write_bytes(b"weights")
-    err = refused(lambda: client.create_blob(blob))
-    assert err.status_code == 501 and "/api/pull" in err.error
-    assert httpx.head(server.url + "/api/blobs/sha256:0123").status_code == 501
+def test_push_is_not_served_and_says_why(client: Any) -> None:
+    """/api/create, /api/blobs and library pulls: test_ollama_create.py."""
+    err = refused(lambda: client.push("mine"))
+    assert err.status_code == 501 and "keeps no registry of its own" in err.error
 
 
 # --- keep_alive ------------------------------------------------------------------------------
