@@ -33,7 +33,7 @@ from localm.kernel.host import Host
 from localm.kernel.hookspecs import hookimpl, hookspec
 from localm.kernel.jobs import JobCancelled, JobContext
 from localm.kernel.logs import annotate
-from localm.kernel.models import ModelEntry, ModelFormat, ModelSource, model_id
+from localm.kernel.models import ModelEntry, ModelFormat, ModelSource, fit_adapters, model_id
 from localm.kernel.plugins import PluginContext
 from localm.kernel.routes.common import EventStream, json_body, sse
 from localm.kernel.routing import delete, get, head, patch, post, put, route
@@ -87,6 +87,8 @@ __all__ = [
     "Host", "PluginContext",
     # models: the registry's entries, and the file formats and pull sources a plugin teaches it
     "ModelEntry", "ModelFormat", "ModelSource", "model_id",
+    # LoRA adapters: 400 unless each applies to a GGUF model (its architecture, its tensors)
+    "fit_adapters",
     # the running server, from a CLI command
     "connect", "server", "ServerClient", "ServerError",
 ]

@@ -438,6 +438,13 @@ def plan_create(host: Any, plugin: Any, body: dict[str, Any], caller: Any, name:
         entry = sdk.ModelEntry(id=new_id, path=str(model_path), source=src, type="gguf", sha256=digest,
                                size_bytes=size, role=role, capabilities=caps, created=now, defaults=defaults,
                                adapters=tuple(adapters))
+    if entry.adapters:  # each applies to the model's weights, as pull --lora checks it
+        if entry.type != "gguf":
+            raise sdk.LocalmError(400, f"ADAPTER applies LoRA adapters to GGUF models; {entry.id} is {entry.type}")
+        try:
+            sdk.fit_adapters(tuple(entry.adapters), Path(entry.path))
+        except sdk.LocalmError as exc:
+            raise sdk.LocalmError(400, f"adapters: {exc.detail}") from None
     existing = host.models.registry.find(new_id)
     if existing is not None and existing.provider is not None:
         raise sdk.LocalmError(409, f"{new_id} is provided by the {existing.provider} plugin: choose another name",

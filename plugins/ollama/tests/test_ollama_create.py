@@ -413,8 +413,8 @@ def test_a_bad_modelfile_line_is_named_and_nothing_is_made(server: LocalmServer,
     assert r.status == "success"
 
 
-def adapter_gguf() -> bytes:
-    """A GGUF header that says it is a LoRA adapter (no tensors: recorded, never loaded here)."""
+def header_only_adapter() -> bytes:
+    """A GGUF header that says it is a LoRA adapter and holds no tensor."""
     import struct
 
     def string(text: str) -> bytes:
@@ -425,24 +425,43 @@ def adapter_gguf() -> bytes:
     return b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv)) + body
 
 
-def test_adapters_are_recorded(server: LocalmServer) -> None:
+def test_an_adapter_from_a_blob_changes_the_answer_and_one_that_does_not_fit_is_refused(
+        server: LocalmServer, tmp_path: Path) -> None:
+    """ADAPTER (the client's ``adapters``): a real LoRA for the model, uploaded as a blob, is applied
+    by the llama.cpp engine whenever the created model loads; what is no LoRA for it is a 400."""
+    pytest.importorskip("llama_cpp")
+    from lora_fixtures import write_lora
     owner = server.owner()
-    data = adapter_gguf()
+    lora = write_lora(tmp_path / "pirate-lora.gguf", rank=8, seed=3)
+    data = lora.read_bytes()
     digest = "sha256:" + sha256(data)
     assert owner.post(f"/api/blobs/{digest}", content=data).status_code == 201
     r = owner.post("/api/create", json={"model": "pirate-lora", "from": MODEL, "adapters": {"lora.gguf": digest},
                                         "stream": False})
     assert r.status_code == 200, r.text
-    shown = show(server, "pirate-lora")
-    assert "ADAPTER lora.gguf" in shown["modelfile"]
+    assert "ADAPTER lora.gguf" in show(server, "pirate-lora")["modelfile"]
     entry = json.loads((server.data_dir / "models.json").read_text())
     adapters = next(m["adapters"] for m in entry["models"] if m["id"] == "pirate-lora")
     assert adapters == [{"name": "lora.gguf", "scale": 1.0,
                          "path": str(server.data_dir / "plugin-data" / "ollama" / "blobs" / f"sha256-{digest[7:]}")}]
-    model_digest = "sha256:" + sha256(gguf_path())
-    r = owner.post("/api/create", json={"model": "bad", "from": MODEL, "adapters": {"m.gguf": model_digest}})
-    assert r.status_code in (400, 404) and ("not a LoRA adapter" in r.json()["error"] or "not found" in
-                                            r.json()["error"])
+    ask = {"prompt": "The capital of France is", "stream": False, "raw": True,
+           "options": {"temperature": 0, "num_predict": 6, "seed": 1}}
+    plain = owner.post("/api/generate", json={"model": MODEL, **ask}).json()["response"]
+    adapted = owner.post("/api/generate", json={"model": "pirate-lora", **ask})
+    assert adapted.status_code == 200, adapted.text
+    assert adapted.json()["response"] != plain
+    loaded = owner.post("/v1/models/load", params={"model": "pirate-lora"}).json()
+    assert loaded["adapters"] == [{"name": "lora.gguf", "scale": 1.0}]
+    owner.post("/v1/models/unload", params={"model": "pirate-lora"})
+
+    before = json.loads((server.data_dir / "models.json").read_text())
+    for refused in (header_only_adapter(), gguf_path().read_bytes()):
+        blob = "sha256:" + sha256(refused)
+        assert owner.post(f"/api/blobs/{blob}", content=refused).status_code in (200, 201)
+        r = owner.post("/api/create", json={"model": "bad", "from": MODEL, "adapters": {"x.gguf": blob}})
+        assert r.status_code == 400, r.text
+        assert "no LoRA tensors" in r.json()["error"] or "not a LoRA adapter" in r.json()["error"]
+    assert json.loads((server.data_dir / "models.json").read_text()) == before  # nothing registered
 
 
 def test_a_rendered_modelfile_reads_back_as_it_was() -> None:
