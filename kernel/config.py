@@ -46,6 +46,10 @@ class KernelSettings:
                                                 "applies at the next start)")
     auto_install_plugin_deps: bool = setting(False, owner_only=True,
                                              description="Install a plugin's pip requirements when it is installed")
+    hf_token: str = setting("", owner_only=True, secret=True,
+                            description="Hugging Face access token sent (as a Bearer token) when pulling from the hub, "
+                                        "for gated and private repositories; empty: the HF_TOKEN environment "
+                                        "variable, if set")
     suggest_plugins: bool = setting(True, description="Let clients suggest plugins that would help")
     log_level: str = setting("info", choices=("debug", "info", "warning", "error"),
                              description="Server log level (applies at the next start)")
