@@ -48,7 +48,7 @@ from .storage import JsonFile
 ENDPOINT = "https://huggingface.co"
 #: What a download reads at a time, and hands to the thread that writes and hashes it.
 CHUNK = 1 << 20
-#: How many times one pull resumes a download the connection dropped (each must make progress).
+#: How many resumed requests in a row may bring nothing before a pull gives up (the .part stays).
 RETRIES = 3
 #: A repository listing larger than this, or with more files, is refused.
 MAX_LISTING_BYTES = 32 << 20
@@ -343,7 +343,7 @@ class Hub:
             except _Interrupted as exc:
                 now = part.stat().st_size if part.is_file() else 0
                 stalled = 0 if now > before else stalled + 1
-                if stalled > RETRIES or exc.final:
+                if stalled >= RETRIES or exc.final:
                     total = f" of {_mb(expected_size)}" if expected_size else ""
                     raise unreachable(self.repo, f"the download of {f.name} stopped at {_mb(now)}{total} "
                                                  f"({exc.reason}); pull again to resume it") from None
