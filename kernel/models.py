@@ -581,6 +581,8 @@ def _from_hub(source: str, repo: str, selector: str | None, *, formats: list[Mod
     found = find_weights(root, formats)
     if not found:
         raise LocalmError(400, f"{repo} holds no model this server reads ({what})")
+    # the snapshot's folder is named by its commit: a repository that is one model is named by the repository
+    found = [attrs.evolve(f, name=repo.split("/")[1]) if f.path == root else f for f in found]
     return found, f"hf:{repo}", []
 
 

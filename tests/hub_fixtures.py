@@ -2,7 +2,8 @@
 
 It speaks the part of the hub's HTTP protocol that huggingface_hub and localm's downloader
 use: ``GET /api/models/{repo}[/revision/{rev}]`` lists a repository (``sha``, ``siblings``
-with ``rfilename``, ``size`` and ``lfs: {sha256, size}``), and ``GET|HEAD
+with ``rfilename``, ``size`` and ``lfs: {sha256, size}``; ``/tree/{rev}`` the same as
+huggingface_hub's snapshot_download reads it), and ``GET|HEAD
 /{repo}/resolve/{rev}/{file}`` answers a 302 to the file's bytes on a "CDN" path of the same
 server (named ``localhost``, another host, as the hub's CDN is), carrying ``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag`` (the sha256) and
 ``X-Linked-Size`` as the hub does; the bytes are served with ``Range`` support (206 and
@@ -143,6 +144,11 @@ class _Handler(BaseHTTPRequestHandler):
             files = hub.repos.get(repo)
             if files is None:
                 self._json(404, {"error": "Repository not found"}, head, {"X-Error-Code": "RepoNotFound"})
+                return
+            if len(parts) >= 6 and parts[4] == "tree":  # huggingface_hub's snapshot_download lists the tree
+                self._json(200, [{"type": "file", "path": name, "size": blob.size, "oid": blob.sha256[:40],
+                                  "lfs": {"oid": blob.sha256, "size": blob.size, "pointerSize": 134}}
+                                 for name, blob in files.items()], head)
                 return
             siblings = [{"rfilename": name, "size": blob.size,
                          "lfs": {"sha256": blob.sha256, "size": blob.size, "pointerSize": 134}}

