@@ -28,6 +28,7 @@ by name (projectors in the model's own folder first).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
 import re
@@ -297,7 +298,6 @@ class Hub:
         except httpx.HTTPError as exc:
             raise unreachable(self.repo, _reason(exc)) from exc
         try:
-            import json
             data = json.loads(bytes(body))
         except ValueError as exc:
             raise unreachable(self.repo, "its file listing is not JSON") from exc
@@ -570,6 +570,27 @@ def pull_gguf(repo: str, selector: str | None, *, data_dir: Path, log: Callable[
     finally:
         if own:
             hub.close()
+
+
+def local_listing(data_dir: Path, repo: str) -> Listing | None:
+    """The files of ``repo`` downloaded and verified here before (unchanged since), as a listing:
+    what a pull chooses from when the hub cannot be reached. None when there are none."""
+    root = folder(data_dir, repo)
+    try:
+        seen = JsonFile(root / RECORD, what=f"{RECORD} of {repo}", default=dict, expect=dict).read()
+    except LocalmError:
+        return None
+    files = []
+    for name, item in seen.items():
+        if not isinstance(item, dict) or not isinstance(item.get("sha256"), str):
+            continue
+        try:
+            stat = _dest(root, name).stat()
+        except (OSError, LocalmError):
+            continue
+        if stat.st_size == item.get("size") and stat.st_mtime_ns == item.get("mtime_ns"):
+            files.append(HubFile(name, stat.st_size, item["sha256"]))
+    return Listing(repo, None, tuple(files)) if files else None
 
 
 def _verified(record: JsonFile, f: HubFile, dest: Path, progress: Progress | None,

@@ -563,7 +563,18 @@ def _from_hub(source: str, repo: str, selector: str | None, *, formats: list[Mod
 
     auth = hub.token(data_dir)
     with hub.Hub(repo, auth=auth) as client:
-        listing = client.listing()
+        try:
+            listing = client.listing()
+        except LocalmError as exc:  # offline: the files pulled before still serve (as huggingface_hub's cache does)
+            here = hub.local_listing(data_dir, repo) if exc.code == "hub_unreachable" and data_dir else None
+            try:
+                if here is None:
+                    raise
+                hub.choose(here, selector)
+            except LocalmError:
+                raise exc from None
+            log(f"The Hugging Face hub cannot be reached: using the files of {repo} pulled before")
+            listing = here
         ggufs = [f for f in listing.gguf() if not hub.is_projector(f.name)]
         if ggufs or selector:
             if data_dir is None:

@@ -126,6 +126,14 @@ def test_one_file_is_pulled_registered_and_answers(s: LocalmServer, hub: HubServ
     again = pull(s, "hf:smol/One-GGUF:One-Q4_1.gguf")
     assert again.status_code == 200 and again.json()["models"] == ["one"], again.text
     assert len(fetched(hub, "One-Q4_1.gguf")) == before == 1
+    # offline (HF_HUB_OFFLINE, or the hub unreachable): what was pulled before still serves, nothing else does
+    offline = s.cli("pull", "smol/One-GGUF:One-Q4_1.gguf", env={"HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 0, offline.stderr
+    assert "The Hugging Face hub cannot be reached: using the files of smol/One-GGUF pulled before" in offline.stdout
+    assert "Registered one (gguf, chat, 98 MB)" in offline.stdout
+    other = s.cli("pull", "smol/One-GGUF:One-Q8_0.gguf", env={"HF_HUB_OFFLINE": "1"})
+    assert other.returncode == 1 and "Cannot fetch smol/One-GGUF from the Hugging Face hub: HF_HUB_OFFLINE is set" \
+        in other.stderr, other.stderr
 
 
 def test_a_repository_alone_gets_q4_k_m_and_a_tag_picks_its_quantisation(s: LocalmServer, hub: HubServer) -> None:
