@@ -522,12 +522,12 @@ def hub_snapshot(repo: str, log: Callable[[str], None], files: list[str] | None 
     except ImportError as exc:
         raise LocalmError(400, f"{repo} is a Hugging Face model folder (no GGUF file): pulling one needs "
                                "huggingface_hub (pip install 'localm[transformers]')") from exc
-    from .hub import unreachable
+    from .hub import endpoint, unreachable
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
     log(f"Fetching {repo} from the Hugging Face hub")
-    try:
+    try:  # HF_ENDPOINT as it is now (huggingface_hub reads it once, when first imported)
         return Path(huggingface_hub.snapshot_download(repo_id=repo, etag_timeout=5, allow_patterns=files,
-                                                      **({"token": auth} if auth else {})))
+                                                      endpoint=endpoint(), **({"token": auth} if auth else {})))
     except Exception as exc:  # every hub failure (offline, 404, auth) is the caller's answer
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
         raise unreachable(repo, reason) from exc
@@ -547,6 +547,8 @@ def hub_source(source: str) -> tuple[str, str | None, bool] | None:
     if match is None or (not match["prefix"] and Path(source).exists()):
         return None
     if not match["prefix"]:  # ./folder/file.gguf is a path that does not exist, not a repository
+        if match["selector"] is None and match["repo"].lower().endswith(".gguf"):
+            return None
         try:
             check_repo(match["repo"])
         except LocalmError:

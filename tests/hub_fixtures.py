@@ -5,9 +5,9 @@ use: ``GET /api/models/{repo}[/revision/{rev}]`` lists a repository (``sha``, ``
 with ``rfilename``, ``size`` and ``lfs: {sha256, size}``; ``/tree/{rev}`` the same as
 huggingface_hub's snapshot_download reads it), and ``GET|HEAD
 /{repo}/resolve/{rev}/{file}`` answers a 302 to the file's bytes on a "CDN" path of the same
-server (named ``localhost``, another host, as the hub's CDN is), carrying ``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag`` (the sha256) and
-``X-Linked-Size`` as the hub does; the bytes are served with ``Range`` support (206 and
-``Content-Range``), from disk with sendfile.
+server (named ``localhost``, another host, as the hub's CDN is), carrying ``X-Repo-Commit``,
+``ETag``, ``X-Linked-Etag`` (the sha256) and ``X-Linked-Size`` as the hub does; the bytes
+are served with ``Range`` support (206 and ``Content-Range``), from disk with sendfile.
 
 What a test can change: a repository that needs a token (``private``: 401 without
 ``Authorization: Bearer TOKEN``), a file whose listed sha256 is not its content's

@@ -72,7 +72,8 @@ def s(module_server: Any, hub: HubServer) -> LocalmServer:
     def prepare(data: Path) -> None:
         (data / "config.json").write_text(json.dumps({"plugins": {"llamacpp": {"n_threads": 1}}}))
 
-    return module_server(prepare=prepare, plugins=PLUGINS, env={"HF_ENDPOINT": hub.url, "HF_HOME": os.environ["HF_HOME"]})
+    return module_server(prepare=prepare, plugins=PLUGINS,
+                         env={"HF_ENDPOINT": hub.url, "HF_HOME": os.environ["HF_HOME"]})
 
 
 def pull(s: LocalmServer, source: str, **body: Any) -> httpx.Response:
