@@ -213,7 +213,10 @@ def test_models_routes(server: LocalmServer, client: openai.OpenAI) -> None:
         "status": "unloaded", "model": MODEL, "was_active": True}
     assert owner.post("/v1/models/unload", params={"model": MODEL}).json()["status"] == "already_unloaded"
     assert owner.post("/v1/models/unload", params={"model": "nope"}).status_code == 404
-    assert owner.post("/v1/models/load").json() == {"status": "loaded", "model": MODEL, "parallel_slots": 4}
+    loaded = owner.post("/v1/models/load").json()
+    placed = {k: loaded.pop(k) for k in list(loaded) if k not in ("status", "model", "parallel_slots")}
+    assert loaded == {"status": "loaded", "model": MODEL, "parallel_slots": 4}
+    assert placed["device"] in ("cpu", "gpu")  # where it runs, and (on a GPU) its layers there
     renamed = owner.post("/v1/models/rename", params={"model": MODEL, "new_name": "Tiny Chat"}).json()
     assert renamed == {"status": "renamed", "model": MODEL, "new_name": "tiny-chat", "notes": []}
     try:

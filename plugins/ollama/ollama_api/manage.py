@@ -42,6 +42,9 @@ MANIFEST_TYPES = ("application/vnd.docker.distribution.manifest.v2+json",
 #: Ollama names: [host/][namespace/]model[:tag]
 NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,79}")
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+#: A GGUF quantisation's name (Q4_K_M, q8_0, IQ4_XS, UD-Q4_K_XL, BF16...): as the tag of ``org/name``, a hub
+#: repository's file of that quantisation, not an Ollama user's model
+QUANTISATION = re.compile(r"(?i)(?:ud-)?(?:i?q\d(?:_[a-z0-9]+)*|bf16|f16|fp16|f32)")
 MAX_TEXT_LAYER = 4 * 1024 * 1024
 CHUNK = 1 << 20
 
@@ -490,6 +493,8 @@ def library_name(text: str, registry_url: str) -> LibraryName | None:
     text = text.strip()
     if not text or looks_like_path(text) or text.startswith(("pypi:", "hf:", "file:")):
         return None
+    if text.lower().startswith(("hf.co/", "huggingface.co/")):  # Ollama's own spelling of a hub repository
+        return None
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:(?!\d)[^/]*/", text) or "://" in text or "#" in text or "@" in text:
         return None  # a scheme of its own (openai+http://...)
     rest, tag = text, "latest"
@@ -506,6 +511,9 @@ def library_name(text: str, registry_url: str) -> LibraryName | None:
     elif len(parts) == 2:
         if tag == "latest" and ":" not in last and parts[0] != "library":
             return None  # org/name without a tag: a Hugging Face repository, as `localm pull` reads it
+        if parts[0] != "library" and QUANTISATION.fullmatch(tag):
+            return None  # org/name:Q4_K_M: a quantisation of a hub repository (registry.ollama.ai/user/m:q4_k_m
+            # names an Ollama user's model with that tag)
         ns, model = parts
     elif len(parts) == 3:
         host, ns, model = parts
