@@ -659,6 +659,8 @@ async def pull_library(plugin: Any, host: Any, name: LibraryName, *, insecure: b
         if projector is not None:
             caps = {**caps, "projector": str(projector), **gguf.projector_capabilities(projector)}
             size += projector.stat().st_size
+        if adapters:  # each applies to the model's weights, as pull --lora checks it
+            sdk.fit_adapters(tuple(adapters), model_path)
         yield {"status": "writing manifest"}
         where = Path(plugin.data_dir) / "manifests" / name.host / name.namespace / name.model
         where.mkdir(parents=True, exist_ok=True)
