@@ -106,6 +106,9 @@ class Capabilities:
     #: engine opens a larger one (up to this many tokens) for a request that needs it
     #: (``GenerateRequest.window``). None: the window is fixed at ``context_window``.
     context_max: int | None = None
+    #: The draft sources the engine speculates with (``GenerateRequest.speculation``): "ngram",
+    #: "draft", "mtp". Empty: it decodes one token a step, whatever a request asks.
+    speculation: tuple[str, ...] = ()
 
     @property
     def context_limit(self) -> int:
@@ -287,6 +290,10 @@ class GenerateRequest:
     #: ``Capabilities.vision`` / ``Capabilities.audio``). The positions a request uses are
     #: ``len(prompt) + sum(span.tokens)``.
     media: tuple[MediaSpan, ...] = ()
+    #: The draft source this request asks for ("off", "ngram", "draft", "mtp"; the spec's
+    #: ``spec_source``); None: the engine's own setting. An engine reports what it did in
+    #: ``Finished.speculation``.
+    speculation: str | None = None
 
 
 @attrs.frozen
@@ -340,6 +347,9 @@ class Finished:
     #: How many of the prompt's tokens a cache held, so the engine did not compute them (a
     #: follow-up turn's conversation so far; OpenAI's ``usage.prompt_tokens_details.cached_tokens``).
     cached_tokens: int = 0
+    #: With a draft source on: the spec's ``usage.speculation`` ({"source", "state", "drafted",
+    #: "accepted", "paused_steps", "reason"}); None when the reply did not speculate.
+    speculation: dict[str, Any] | None = None
 
 
 Event = Queued | Started | Token | Status | Finished

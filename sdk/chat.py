@@ -165,6 +165,9 @@ class Outcome:
     #: the generated token ids, and the engine's activation reads when the plan asked for any
     token_ids: list[int] = attrs.Factory(list)
     activations: dict[tuple[int, str], Any] | None = None
+    #: with a draft source on (``spec_source``), the spec's ``usage.speculation``: {"source",
+    #: "state", "drafted", "accepted", "paused_steps", "reason"}; None when none was on
+    speculation: dict[str, Any] | None = None
 
 
 class Reply(Protocol):

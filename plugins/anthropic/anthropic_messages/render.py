@@ -51,8 +51,12 @@ def stop_reason(outcome: Any) -> str:
     return "stop_sequence" if outcome.stop_sequence is not None else "end_turn"
 
 
-def usage(outcome: Any) -> dict[str, int]:
-    return {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens}
+def usage(outcome: Any) -> dict[str, Any]:
+    """Anthropic's usage, and localm's ``speculation`` when a draft source was on."""
+    out: dict[str, Any] = {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens}
+    if getattr(outcome, "speculation", None) is not None:
+        out["speculation"] = outcome.speculation
+    return out
 
 
 def message(ident: str, model: str, text: str, reasoning: str, calls: list[dict[str, Any]],

@@ -115,6 +115,9 @@ class _Messages(sdk.Struct, kw_only=True):
     presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
     cache_prompt: bool | None = None
+    spec_source: Annotated[Literal["off", "ngram", "draft", "mtp"],
+                           Meta(description="Speculative drafting for this request (localm): off, ngram, draft "
+                                            "or mtp; unset: the engine's setting")] | None = None
 
 
 class AnthropicMessagesRequest(_Messages, kw_only=True):

@@ -28,7 +28,7 @@ READ = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperat
         "tools", "tool_choice", "thinking", "output_config", "mcp_servers"}
 #: localm's own chat fields, passed on as they are (an SDK sends them through extra_body).
 LOCALM = ("cache_prompt", "seed", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "pin_model",
-          "required_capabilities", "min_context")
+          "required_capabilities", "min_context", "spec_source")
 THINKING_ON = ("enabled", "adaptive", "between_tools")
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")
 #: The most messages a request may hold (the chat plugin's bound, counted before turns are joined).

@@ -252,7 +252,9 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
     request = spec.GenerateRequest(prompt=ids, media=spans, sampling=common.sampling, cache_prompt=common.cache_prompt,
                                    constraint=plan.constraint, logprobs=plan.logprobs,
                                    interventions=plan.interventions, reads=plan.reads, chat=plan.chat,
-                                   window=plan.window, num_ctx=plan.num_ctx, background=plan.background)
+                                   window=plan.window, num_ctx=plan.num_ctx, background=plan.background,
+                                   speculation=common.spec_source)
+    outcome.speculation = unspeculated(engine, common.spec_source)
     first_at = None
     ended = False
 
@@ -305,6 +307,8 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
             elif isinstance(event, spec.Finished):
                 outcome.activations = event.activations
                 outcome.cached_tokens = event.cached_tokens
+                if getattr(event, "speculation", None) is not None:
+                    outcome.speculation = event.speculation
                 outcome.context_capacity = engine.capabilities.context_window
                 if plan.chat is not None:  # an engine that answers messages counts (or not) itself
                     outcome.prompt_tokens, outcome.completion_tokens = event.prompt_tokens, event.completion_tokens
@@ -326,10 +330,26 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
             outcome.tokens_per_sec = round((outcome.completion_tokens - 1) / elapsed, 2)
 
 
+def unspeculated(engine: Any, source: str | None) -> dict[str, Any] | None:
+    """``usage.speculation`` for a request that asked for a draft source its engine does not
+    draft with (the engine's own report replaces it when it speculates); None otherwise."""
+    if source in (None, "off") or source in engine.capabilities.speculation:
+        return None
+    if source == "mtp":
+        reason = "no-mtp-heads: this model has no Multi-Token Prediction heads its engine runs"
+    else:
+        reason = f"engine-unsupported: the {engine.engine} engine does not draft with {source}"
+    return {"source": source, "state": "unavailable", "drafted": 0, "accepted": 0, "paused_steps": 0,
+            "reason": reason}
+
+
 def usage(outcome: Outcome, *, timings: bool = True, capacity: bool = True) -> dict[str, Any]:
+    """OpenAI's usage block, with localm's fields: ``speculation`` (null unless a draft source
+    was on), ``ttft_ms`` and ``tokens_per_sec`` (``timings``), ``context_capacity``."""
     out: dict[str, Any] = {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
                            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-                           "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens}}
+                           "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+                           "speculation": getattr(outcome, "speculation", None)}
     if timings:
         out["ttft_ms"] = outcome.ttft_ms
         out["tokens_per_sec"] = outcome.tokens_per_sec

@@ -30,6 +30,8 @@ class Common:
     pin_model: bool | None = None
     required: tuple[str, ...] = ()
     min_context: int | None = None
+    #: the draft source asked for (``spec_source``: off, ngram, draft, mtp); None: the engine's setting
+    spec_source: str | None = None
 
 
 class Reader(_FieldReader):
@@ -104,10 +106,19 @@ def read_common(r: Reader) -> Common:
     min_context = r.get("min_context", (int,), "an integer")
     if min_context is not None and not 1 <= min_context <= MAX_NUM_CTX:
         raise sdk.LocalmError(400, f"{r.name('min_context')} must be from 1 to {MAX_NUM_CTX}, got {min_context}")
+    spec_source = r.get("spec_source", (str,), "a string")
+    if spec_source is not None and spec_source not in SPEC_SOURCES:
+        where = r.name("spec_source")
+        raise sdk.LocalmError(400, f"{where} must be one of {', '.join(SPEC_SOURCES)}, got {spec_source[:40]!r}",
+                              param=where)
     return Common(model=model, stream=stream, include_usage=include_usage, sampling=sampling, stops=stops,
                   cache_prompt=cache_prompt, num_ctx=num_ctx, background=background_task(r.body),
-                  pin_model=pin_model, required=tuple(dict.fromkeys(required)), min_context=min_context)
+                  pin_model=pin_model, required=tuple(dict.fromkeys(required)), min_context=min_context,
+                  spec_source=spec_source)
 
+
+#: The draft sources spec_source names (off: none for this request).
+SPEC_SOURCES = ("off", "ngram", "draft", "mtp")
 
 #: What required_capabilities may list.
 CAPABILITIES = ("vision", "audio_input", "tool_use", "reasoning")

@@ -143,6 +143,9 @@ class _Sampling(sdk.Struct, kw_only=True):
     stop: Annotated[Stop, Meta(description=f"At most {MAX_STOPS} sequences of at most {MAX_STOP_CHARS} characters "
                                            "(400 past either)")] | None = None
     cache_prompt: bool | None = None
+    spec_source: Annotated[Literal["off", "ngram", "draft", "mtp"],
+                           Meta(description="Speculative drafting for this request: off, ngram, draft or mtp; "
+                                            "unset: the engine's setting. usage.speculation reports it")] | None = None
     return_tokens_as_token_ids: bool | None = None
     grammar: Annotated[str, Meta(max_length=MAX_GRAMMAR_BYTES, description="GBNF (or Lark); 400 invalid_grammar "
                                                                            "when it does not compile")] | None = None

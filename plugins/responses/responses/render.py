@@ -37,11 +37,15 @@ def logprob(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def usage(outcome: Any) -> dict[str, Any]:
-    return {"input_tokens": outcome.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": getattr(outcome, "cached_tokens", 0), "cache_write_tokens": 0},
-            "output_tokens": outcome.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+    """OpenAI's Responses usage, and localm's ``speculation`` when a draft source was on."""
+    out = {"input_tokens": outcome.prompt_tokens,
+           "input_tokens_details": {"cached_tokens": getattr(outcome, "cached_tokens", 0), "cache_write_tokens": 0},
+           "output_tokens": outcome.completion_tokens,
+           "output_tokens_details": {"reasoning_tokens": 0},
+           "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+    if getattr(outcome, "speculation", None) is not None:
+        out["speculation"] = outcome.speculation
+    return out
 
 
 def status_of(outcome: Any, failed: bool = False) -> str:

@@ -20,7 +20,7 @@ log = logging.getLogger("localm.plugin.responses")
 #: localm's own chat fields, passed to the chat service as they are.
 PASSED = ("top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "grammar",
           "grammar_lazy", "grammar_triggers", "required_capabilities", "pin_model", "min_context",
-          "chat_template_kwargs", "cache_prompt")
+          "chat_template_kwargs", "cache_prompt", "spec_source")
 #: Fields accepted with no effect (metadata is echoed, the rest too where the response has a place).
 ACCEPTED = ("metadata", "user", "prompt_cache_key", "safety_identifier", "service_tier", "max_tool_calls",
             "stream_options", "prompt_cache_retention")

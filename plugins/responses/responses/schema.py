@@ -123,6 +123,9 @@ class ResponsesRequest(sdk.Struct, kw_only=True):
     stop: Union[Annotated[str, Meta(max_length=1024)],
                 Annotated[list[Annotated[str, Meta(max_length=1024)]], Meta(max_length=16)], None] = None
     cache_prompt: bool | None = None
+    spec_source: Annotated[Literal["off", "ngram", "draft", "mtp"],
+                           Meta(description="Speculative drafting for this request (localm): off, ngram, draft "
+                                            "or mtp; unset: the engine's setting")] | None = None
 
 
 ERRORS = {400: "A field of the wrong type or value (each refusal names its param)",
