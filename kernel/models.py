@@ -479,9 +479,15 @@ class Found:
     projector: Path | None = None
 
 
+#: The files and folders a pull of a folder looks at, at most: a pull of ``/`` or a home folder
+#: is refused before it reads a whole disk.
+MAX_WALK_ENTRIES = 20_000
+
+
 def find_weights(root: Path, formats: list["ModelFormat"]) -> list[Found]:
     """The models below ``root`` (a file or a folder) in any of ``formats``: a folder that is
-    a model is not searched further."""
+    a model is not searched further; a folder holding more than ``MAX_WALK_ENTRIES`` files
+    and folders is a 400 (name the model's own file or folder)."""
     files = [f for f in formats if not f.folder]
     folders = [f for f in formats if f.folder]
 
@@ -497,9 +503,14 @@ def find_weights(root: Path, formats: list["ModelFormat"]) -> list[Found]:
     if (kind := folder_kind(root)) is not None:
         return [Found(root, kind.name, root.name)]
     out: list[Found] = []
+    seen = 0
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if d not in ("__pycache__",) and not d.startswith(".")]
+        seen += len(dirnames) + len(filenames)
+        if seen > MAX_WALK_ENTRIES:
+            raise LocalmError(400, f"{root.name or root} holds more than {MAX_WALK_ENTRIES} files and folders: "
+                                   "name the model's own file or folder", code="too_many_files")
         if (kind := folder_kind(here)) is not None:
             out.append(Found(here, kind.name, here.name))
             dirnames[:] = []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,19 @@ def test_json_on_every_listing(s: LocalmServer) -> None:
     assert [r["name"] for r in as_json("plugin", "search", "greeting")] == ["hello"]
     assert as_json("plugin", "info", "jobber")["state"] == "active"
     assert as_json("show", MODEL)["loaded"] is True
+
+
+def test_a_pull_of_a_whole_disk_is_refused_before_it_reads_it(s: LocalmServer, tmp_path: Path) -> None:
+    """A folder is walked for models up to a bound: ``/`` (or a home folder) is a 400 at once,
+    and nothing is registered; a folder under the bound is read as before."""
+    before = (s.data_dir / "models.json").read_bytes()
+    started = time.monotonic()
+    r = s.owner().post("/api/pull", json={"model": "/", "stream": False}, timeout=120)
+    assert r.status_code == 400 and "holds more than 20000 files and folders" in r.json()["error"], r.text
+    assert time.monotonic() - started < 30 and (s.data_dir / "models.json").read_bytes() == before
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    for i in range(50):
+        (crowded / f"note-{i}.txt").write_text("not a model")
+    r = s.owner().post("/api/pull", json={"model": str(crowded), "stream": False})
+    assert r.status_code == 400 and "crowded is not a model this server reads" in r.json()["error"]
