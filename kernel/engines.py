@@ -355,6 +355,15 @@ class Finished:
 Event = Queued | Started | Token | Status | Finished
 
 
+class Stop(BaseException):
+    """Thrown into an engine's event stream (``await events.athrow(Stop())``) by a consumer
+    that needs no more tokens (a stop sequence matched) but wants the generation's Finished,
+    with its counts (``Finished.speculation``). :class:`~localm.sdk.engines.Batched` ends the
+    generation as cancelled and goes on yielding until that Finished; a stream that does not
+    know it ends with it raised, as it would on ``aclose``. A BaseException, so an engine's
+    ``except Exception`` does not catch it."""
+
+
 @attrs.frozen
 class Ranked:
     """One document's relevance to a query, from :meth:`Engine.rerank`.

@@ -30,6 +30,7 @@ from localm.kernel.engines import (
     SpeechToTextEngine,
     Started,
     Status,
+    Stop,
     TextToSpeechEngine,
     Token,
     placement_of,
@@ -44,7 +45,7 @@ __all__ = ["LOGPROB_FLOOR", "ActivationRead", "Batched", "Capabilities", "ChatEn
            "Constraint", "EmbeddingEngine", "Engine", "EngineError", "LoadedModel", "Media", "MediaEngine", "MediaSpan",
            "Placement", "RerankEngine",
            "SpeechToTextEngine", "TextToSpeechEngine", "Event", "Finished", "FinishReason", "GenerateRequest", "Intervention", "Job", "Queued", "Ranked", "Sampling",
-           "Serial", "Started", "Status", "Token", "TokenMasker", "Turns", "logprob_entry", "placement_of", "safe_logprob",
+           "Serial", "Started", "Status", "Stop", "Token", "TokenMasker", "Turns", "logprob_entry", "placement_of", "safe_logprob",
            "steering_of", "usable_cores", "vram_of"]
 
 

@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
-from localm.kernel.engines import Event, Finished, GenerateRequest, Queued, Started
+from localm.kernel.engines import Event, Finished, GenerateRequest, Queued, Started, Stop
 
 
 def positions(request: GenerateRequest) -> int:
@@ -236,7 +236,11 @@ class Batched:
                 try:
                     while True:
                         event = await events.get()
-                        yield event
+                        try:
+                            yield event
+                        except Stop:  # the consumer has what it needs, but for the Finished
+                            cancelled.set()
+                            continue
                         if isinstance(event, Finished):
                             break
                 finally:

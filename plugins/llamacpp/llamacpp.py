@@ -31,7 +31,7 @@ from localm.sdk import engines as spec
 from localm.sdk.gguf import GGUFError, find_projector, metadata, tensor_names
 from localm.sdk.storage import atomic_write_bytes
 
-from . import lora, placement, vision
+from . import lora, placement, speculation, vision
 
 log = logging.getLogger("localm.plugin.llamacpp")
 
@@ -71,6 +71,20 @@ class Settings:
                                                          "unloads or the server stops, and read it back when the "
                                                          "model loads: a front end's tool definitions and system "
                                                          "prompt are warm after a restart")
+    spec_source: str = sdk.setting("off", choices=("off", "ngram", "draft"),
+                                   description="Speculative drafting for requests that do not set spec_source: off, "
+                                               "ngram (prompt lookup: pays where replies repeat their context) or "
+                                               "draft (a small model sharing the vocabulary, spec_draft_model). A "
+                                               "reply drafts while it decodes alone, and only while drafting is "
+                                               "measured to pay")
+    spec_draft_model: str = sdk.setting("", owner_only=True,
+                                        description="The draft model's GGUF file for spec_source draft (the same "
+                                                    "vocabulary as the models it drafts for; takes effect when a "
+                                                    "model loads)")
+    spec_draft_max: int = sdk.setting(8, min=1, max=32, description="The most tokens drafted a step")
+    spec_adaptive: bool = sdk.setting(True, description="Draft only as far as the measured step costs and "
+                                                        "acceptance say it pays (off: draft every step a draft "
+                                                        "is found, as far as spec_draft_max)")
 
 
 def _meta_int(meta: dict[str, Any], key: str) -> int | None:
@@ -201,7 +215,7 @@ class _Sequence:
     """A request's state in the decode loop."""
 
     __slots__ = ("masker", "steer", "slot", "feed", "sampler", "decoder", "prompting", "n", "started", "first",
-                 "cached", "positions", "media")
+                 "cached", "positions", "media", "spec")
 
     def __init__(self, masker: spec.TokenMasker | None, steer: _Steer | None = None) -> None:
         self.masker = masker
@@ -219,12 +233,19 @@ class _Sequence:
         #: for each of its rows' ids the piece and row that holds its embedding. None: text only.
         self.positions: list[int] | None = None
         self.media: dict[int, tuple[vision.Piece, int]] | None = None
+        #: The reply's drafting (None: no draft source on)
+        self.spec: speculation.Speculating | None = None
 
 
 def _positions(request: spec.GenerateRequest) -> int:
     """The positions a request's prompt takes: its tokens and its media's."""
     return len(request.prompt) + sum(span.tokens for span in request.media) if request.media else len(request.prompt)
 
+
+#: Prompt chunks shorter than this are read together, several newcomers' in one decode: below
+#: it llama.cpp's CPU attention computes each row on its own (its tiled kernel starts at 64
+#: rows), so a prompt gives the same numbers read alone or beside others.
+TOGETHER_BELOW = 64
 
 #: A cached prefix this much longer than another slot's wins over keeping the busy slots in a row;
 #: a slot whose cache would lose more than this many tokens is taken only when every free one would.
@@ -496,6 +517,22 @@ class LlamaEngine:
         self._embedder: Any = None
         self.placement = self._placed()
         self._constrainer = spec.Constrainer(self._grammar_tokenizer, self.token_bytes)
+        #: speculative drafting (speculation.py): the source a request without spec_source gets,
+        #: the most tokens a step drafts, the measured step costs and acceptance, the draft model
+        self._spec_default = settings.get("spec_source") or "off"
+        self._draft_max = int(settings.get("spec_draft_max") or 8)
+        self._adaptive = bool(settings.get("spec_adaptive", True))
+        self._costs = speculation.Costs()
+        self._prior = {"ngram": 0.6, "draft": 0.6}
+        self._drafter: speculation.DraftModel | None = None
+        if not self.reranker:
+            self.capabilities = attrs.evolve(self.capabilities, speculation=speculation.SOURCES)
+            if settings.get("spec_draft_model"):
+                self._drafter = speculation.DraftModel(
+                    str(settings["spec_draft_model"]), self.llm, n_ctx=min(self._ctx_max, max(self._n_ctx_slot, 8192)),
+                    n_batch=self._n_batch, threads=threads, gpu=self.placement.device != "cpu")
+                if self._drafter.refused:
+                    log.warning("the draft model cannot serve %s: %s", name, self._drafter.refused)
 
     def _open_placed(self, Llama: Any, path: str, settings: dict[str, Any], options: dict[str, Any],
                      name: str) -> Any:
@@ -1062,7 +1099,27 @@ class LlamaEngine:
             if refused is not None:
                 self._end(job, "error", refused)
                 return
+        job.state.spec = self._speculating(request, steer)
         self._waiting.append(job)
+
+    def _speculating(self, request: spec.GenerateRequest, steer: _Steer | None) -> speculation.Speculating | None:
+        """The reply's drafting for the source it asks for (the spec_source setting when it
+        names none); None when no source is on. mtp is not here: the chat service reports it
+        unavailable (Capabilities.speculation)."""
+        source = request.speculation if request.speculation is not None else self._spec_default
+        if source not in speculation.SOURCES:
+            return None
+        state = speculation.Speculating(source, self._prior[source])
+        if request.media:
+            state.state = "off"
+            state.reason = "image" if any(span.media.kind == "image" for span in request.media) else "audio"
+        elif steer is not None and steer.probe:
+            state.state, state.reason = "off", "activation reads need every row a reply decodes"
+        elif source == "draft" and (self._drafter is None or self._drafter.refused):
+            state.state = "unavailable"
+            state.reason = self._drafter.refused if self._drafter is not None else \
+                "draft-model-missing: no spec_draft_model is set"
+        return state
 
     def _place_media(self, seq: _Sequence, request: spec.GenerateRequest) -> str | None:
         """Put the request's media in its prompt (``seq.positions``, ``seq.media``): each encoded
@@ -1164,6 +1221,8 @@ class LlamaEngine:
             seq.cached = max(shared, 0)
             seq.slot = slot
             seq.feed = list(prompt[len(self._slot_tokens[slot]):])
+            if seq.spec is not None and seq.spec.state is None:
+                seq.spec.history = list(prompt)  # what drafts are drawn from, with the reply as it grows
             seq.started = time.perf_counter()
             seq.sampler = self._sampler(request, seq.masker)
             self._slot_user[slot] = job
@@ -1188,12 +1247,22 @@ class LlamaEngine:
         self._take()
         if not self._running:
             return
+        if len(self._running) == 1:
+            seq = self._running[0].state
+            if seq.spec is not None and seq.spec.state is None and not seq.prompting and seq.feed \
+                    and self._speculate(self._running[0]):
+                return
+        else:
+            for job in self._running:
+                if job.state.spec is not None and not job.state.prompting:
+                    job.state.spec.shared += 1
         # in slot order: over one KV stream a sequence, llama.cpp puts in one ubatch only
         # sequences whose ids follow each other in the batch (2, 3, 0, 1 would be two passes)
         drawing = sorted(((job, job.state.feed[:1]) for job in self._running
                           if not job.state.prompting and job.state.feed), key=lambda item: item[0].state.slot)
         groups = [drawing] if drawing else []
         budget = self._n_batch
+        together: list[tuple[spec.Job, list[int]]] = []
         for job in self._running:
             seq: _Sequence = job.state
             if not seq.prompting or not seq.feed:
@@ -1201,16 +1270,96 @@ class LlamaEngine:
             chunk = seq.feed[:self._n_batch] if seq.media is None else self._media_chunk(seq)
             if len(chunk) > budget and budget < self._n_batch:  # the next step reads it whole
                 break
-            groups.append([(job, chunk)])
+            if len(chunk) < TOGETHER_BELOW and chunk[0] >= 0 and not (seq.steer is not None and seq.steer.probe):
+                together.append((job, chunk))
+            else:
+                groups.append([(job, chunk)])
             budget -= len(chunk)
             if budget <= 0:
                 break
+        if together:  # short prompt chunks, read in one decode, in slot order (see TOGETHER_BELOW)
+            groups.append(sorted(together, key=lambda item: item[0].state.slot))
         if not groups:  # nothing to decode: never the case, but a job must not wait for ever
             for job in list(self._running):
                 self._end(job, "error", "The engine had nothing to decode for this request")
             return
         for group in groups:
             self._decode(group)
+
+    def _speculate(self, job: spec.Job) -> bool:
+        """One step of a reply decoding alone, with a draft (speculation.py): decode its last
+        token and the draft in one batch, draw each row in order with the reply's sampler while
+        the token drawn is the one drafted, and drop the rest of the draft from the cache.
+        False when this step decodes one token as usual (no draft, or drafting does not pay
+        now)."""
+        import llama_cpp
+        seq: _Sequence = job.state
+        state = seq.spec
+        costs = self._costs
+        if not costs.known and self._adaptive:  # one-token steps are measured first
+            return False
+        request = job.request
+        room = self._n_ctx_slot - len(self._slot_tokens[seq.slot]) - 2
+        if request.sampling.max_tokens is not None:
+            room = min(room, request.sampling.max_tokens - seq.n - 1)
+        most = min(self._draft_max, room, self._n_batch - 1)
+        if most < 1:
+            return False
+        per_draft = 0.0
+        if state.source == "ngram":
+            if state.ngrams is None:
+                state.ngrams = speculation.Ngrams(state.history)
+            candidate = state.ngrams.draft(most)
+            if not candidate:
+                return False
+            length = costs.best(state.acceptance, len(candidate))[0] if self._adaptive else len(candidate)
+        elif self._adaptive:
+            per_draft = costs.draft_token if costs.draft_token is not None else 0.1 * costs.of(1)
+            length, _ = costs.best(state.acceptance, most, per_draft)
+        else:
+            length = most
+        if length == 0:
+            state.paused_steps += 1
+            state.held += 1
+            if state.held < speculation.PROBE_EVERY:
+                return False
+            length = 2  # now and then a short draft, to see whether the text turned repetitive
+        if state.source == "ngram":
+            draft = candidate[:length]
+        else:
+            draft = self._drafter.draft(state.history, length, costs)
+            if not draft:
+                return False
+        slot = seq.slot
+        fed = seq.feed[:1] + draft
+        at = len(self._slot_tokens[slot])
+        batch = self._batch
+        for i, token in enumerate(fed):
+            batch.token[i] = token
+            batch.pos[i] = at + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = slot
+            batch.logits[i] = True
+        batch.n_tokens = len(fed)
+        started = time.perf_counter()
+        status = llama_cpp.llama_decode(self.llm._ctx.ctx, batch)
+        if status != 0:
+            self._forget(slot, at)
+            return False  # decoded again without the draft
+        costs.add(len(fed), time.perf_counter() - started)
+        self._slot_tokens[slot].extend(fed)
+        seq.feed = []
+        kept = 0
+        for row in range(len(fed)):
+            token, going = self._draw(job, row)
+            if row < len(draft) and token == draft[row]:
+                kept += 1
+                if going:
+                    continue
+            break
+        self._forget(slot, at + 1 + kept)  # the rejected tail's cells
+        state.checked(len(draft), kept)
+        return True
 
     def _media_chunk(self, seq: _Sequence) -> list[int]:
         """The next chunk of a prompt holding media: up to ``n_batch`` text tokens before the next
@@ -1232,20 +1381,32 @@ class LlamaEngine:
         """Decode each job's ``tokens`` in one batch, then draw for each job whose feed that ends.
         A media's rows (negative ids, see _media_chunk) come in a group of their own."""
         import llama_cpp
+        gaps: list[tuple[int, int]] = []
         if group[0][1][0] < 0:
             batch, rows, reader, non_causal = self._fill_media(*group[0])
         else:
             batch, rows, reader, non_causal = self._fill_tokens(group)
+            if len(group) > 1 and all(len(take) == 1 for _, take in group):
+                gaps, moved = self._fill_gaps(batch)
+                rows = [(job, moved.get(row, row)) for job, row in rows]
         self._reader = reader
         ctx = self.llm._ctx.ctx
         if non_causal:
             llama_cpp.llama_set_causal_attn(ctx, False)
+        # one reply's one-token step: what drafting is measured against
+        alone = len(group) == 1 and len(group[0][1]) == 1 and not group[0][0].state.prompting \
+            and len(self._running) == 1
+        started = time.perf_counter()
         try:
             status = llama_cpp.llama_decode(ctx, batch)
         finally:
             self._reader = None
             if non_causal:
                 llama_cpp.llama_set_causal_attn(ctx, True)
+        if alone and status == 0:
+            self._costs.add(1, time.perf_counter() - started)
+        for slot, at in gaps:  # the stand-ins' cells
+            llama_cpp.llama_memory_seq_rm(self._memory(), slot, at, -1)
         if status == 0 and reader is not None and reader.error:
             status = reader.error
         if status != 0:
@@ -1289,6 +1450,40 @@ class LlamaEngine:
         batch.n_tokens = n
         return batch, rows, reader, False
 
+    def _fill_gaps(self, batch: Any) -> tuple[list[tuple[int, int]], dict[int, int]]:
+        """Give a one-token-a-sequence batch (a step's draws, in slot order) a stand-in row for
+        each slot missing between its first and last: with one KV stream a slot, llama.cpp puts
+        in one pass only sequences whose ids follow each other in the batch (llama-batch.cpp,
+        split_equal), so a reply ending in a middle slot would cost every later step a second
+        pass over the weights. A stand-in is one row at the free slot's next position, with no
+        logits, and its cell is dropped after the decode (the slot's cache is left as it was).
+        The (slot, position) of each stand-in, and where the batch's rows moved."""
+        n = batch.n_tokens
+        present = [batch.seq_id[i][0] for i in range(n)]
+        missing = [slot for slot in range(present[0] + 1, present[-1]) if slot not in present]
+        if not missing or n + len(missing) > self._n_batch:
+            return [], {}
+        old = [(batch.token[i], batch.pos[i], batch.seq_id[i][0], batch.logits[i], i) for i in range(n)]
+        rows, gaps = [], []
+        for slot in missing:
+            at = len(self._slot_tokens[slot])
+            if at >= self._n_ctx_slot - 1:
+                return [], {}
+            tokens = self._slot_tokens[slot]
+            rows.append((tokens[-1] if tokens else 0, at, slot, False, -1))
+            gaps.append((slot, at))
+        moved = {}
+        for i, (token, pos, slot, logits, was) in enumerate(sorted(old + rows, key=lambda row: row[2])):
+            if was >= 0:
+                moved[was] = i
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = slot
+            batch.logits[i] = logits
+        batch.n_tokens = n + len(rows)
+        return gaps, moved
+
     def _fill_media(self, job: spec.Job, take: list[int]) -> tuple[Any, list[tuple[spec.Job, int]],
                                                                     _Steer | None, bool]:
         """The embedding batch of ``take``: consecutive rows of one piece of a media (see
@@ -1318,8 +1513,9 @@ class LlamaEngine:
         batch.n_tokens = n
         return batch, rows, reader, piece.non_causal
 
-    def _draw(self, job: spec.Job, row: int) -> None:
-        """Draw the sequence's next token from its logits at batch row ``row`` and emit it."""
+    def _draw(self, job: spec.Job, row: int) -> tuple[int, bool]:
+        """Draw the sequence's next token from its logits at batch row ``row`` and emit it:
+        the token, and whether the reply goes on (its feed is then that token)."""
         seq: _Sequence = job.state
         request = job.request
         token = seq.sampler.sample(self.llm._ctx, row)
@@ -1328,15 +1524,19 @@ class LlamaEngine:
             seq.first = time.perf_counter()
         if job.cancelled.is_set():
             self._end(job, "cancelled")
-            return
+            return token, False
         if self._is_eog(token):
             self._end(job, "stop")
-            return
+            return token, False
         masker = seq.masker
         if masker is not None and not masker.accept(token):
             self._end(job, "error", f"The output left the grammar: {masker.error}")
-            return
+            return token, False
         seq.n += 1
+        if seq.spec is not None:
+            seq.spec.history.append(token)
+            if seq.spec.ngrams is not None:
+                seq.spec.ngrams.extend((token,))
         text = seq.decoder.decode(self.llm.detokenize([token]))
         if request.logprobs is not None:
             logprob, top = spec.logprob_entry(self._logits_row(row), token, request.logprobs)
@@ -1351,6 +1551,8 @@ class LlamaEngine:
             self._end(job, "length")
         else:
             seq.feed = [token]
+            return token, True
+        return token, False
 
     def _end(self, job: spec.Job, reason: spec.FinishReason, error: str | None = None) -> None:
         """Free the job's slot (its cache stays for a follow-up), then emit its Finished."""
@@ -1370,9 +1572,20 @@ class LlamaEngine:
             n, started = seq.n, seq.started or ended
             first = seq.first or ended
         activations = seq.steer.activations() if seq is not None and seq.steer is not None else None
+        report = None
+        if seq is not None and seq.spec is not None:
+            spec_state = seq.spec
+            if spec_state.verified:  # the next reply starts from what this one measured
+                self._prior[spec_state.source] = 0.5 * self._prior[spec_state.source] + 0.5 * spec_state.acceptance
+            report = spec_state.report(self._adaptive and
+                                       self._costs.can_pay(spec_state.source, self._draft_max) is False)
+            if report["state"] == "on" and spec_state.source == "draft" and self._drafter is not None \
+                    and self._drafter.on_cpu:
+                report["reason"] = "draft-on-cpu"
         job.emit(spec.Finished(reason=reason, prompt_tokens=_positions(job.request), completion_tokens=n,
                                prompt_seconds=max(0.0, first - started), generate_seconds=ended - first, error=error,
-                               activations=activations, cached_tokens=seq.cached if seq is not None else 0))
+                               activations=activations, cached_tokens=seq.cached if seq is not None else 0,
+                               speculation=report))
 
     def _abort(self) -> None:
         """After a failed step: every slot empty and free, nothing waiting."""
@@ -1593,6 +1806,8 @@ class LlamaEngine:
         if self._media_batch is not None:
             llama_cpp.llama_batch_free(self._media_batch)
             self._media_batch = None
+        if self._drafter is not None:
+            self._drafter.close()
         if self._projector is not None:  # before the model it reads
             self._projector.close()
         if self._adapters:  # off the contexts, before the model (lora.py)

@@ -303,6 +303,8 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                 for item in decided(splitter.feed(event.text)):
                     yield item
                 if ended:
+                    if engine.capabilities.speculation and hasattr(events, "athrow"):
+                        await _finish_quietly(events, outcome)
                     break
             elif isinstance(event, spec.Finished):
                 outcome.activations = event.activations
@@ -328,6 +330,19 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
         elapsed = time.perf_counter() - first_at
         if outcome.completion_tokens > 1 and elapsed > 0:
             outcome.tokens_per_sec = round((outcome.completion_tokens - 1) / elapsed, 2)
+
+
+async def _finish_quietly(events: Any, outcome: Outcome) -> None:
+    """After a stop sequence: end the generation, and read its Finished for what drafting did
+    (``usage.speculation``); the tokens decoded meanwhile are dropped."""
+    try:
+        event = await events.athrow(spec.Stop())
+        while not isinstance(event, spec.Finished):
+            event = await events.__anext__()
+    except (spec.Stop, StopAsyncIteration):
+        return
+    if event.speculation is not None:
+        outcome.speculation = event.speculation
 
 
 def unspeculated(engine: Any, source: str | None) -> dict[str, Any] | None:

@@ -1,0 +1,344 @@
+"""Speculative decoding for the llama.cpp engine: a reply decoding alone drafts a few tokens,
+the target model checks them in one decode, and every drafted token it would have drawn
+itself is kept.
+
+Two draft sources:
+
+- ``ngram`` (prompt lookup, :class:`Ngrams`): the continuation of the latest earlier match of
+  the reply's last n tokens (n = 4 down to 2) in the prompt and the reply so far. It costs
+  nothing to propose and pays where a reply repeats its context: quoting a passage, editing
+  code, JSON that echoes its input.
+- ``draft`` (:class:`DraftModel`): a small GGUF sharing the model's vocabulary, in a context
+  of its own, proposing its greedy tokens one at a time while it is confident.
+
+The engine draws each checked row with the request's own sampler, in order, and stops at the
+first token that differs from the draft (see ``LlamaEngine._speculate``): greedy output is
+the output without drafting, and a sampled reply has the same distribution. With a draft that
+proposes one token (both sources do), drawing from the target and keeping the draft while they
+agree is speculative sampling's acceptance rule (keep the draft with probability p(draft),
+otherwise draw from p without it), with one draw of the request's seeded generator a token.
+
+Whether to draft, and how far, is decided each step from measured costs (:class:`Costs`): the
+seconds a decode of n tokens takes for one reply, and the reply's measured acceptance. A step
+where the expected tokens per second of drafting do not beat one token a step is decoded
+without drafting (a paused step); every ``PROBE_EVERY`` paused steps one draft is tried, so
+drafting resumes where the text turns repetitive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+log = logging.getLogger("localm.plugin.llamacpp")
+
+#: The draft sources this engine runs.
+SOURCES = ("ngram", "draft")
+#: The n-gram lengths prompt lookup matches, longest first.
+NGRAM_LONGEST, NGRAM_SHORTEST = 4, 2
+#: After this many steps held back by costs, one draft is tried anyway.
+PROBE_EVERY = 16
+#: A draft model stops proposing when its top token's probability falls below this.
+DRAFT_P_MIN = 0.5
+#: The acceptance at which a source is judged able to pay at all (the spec's ngram-cannot-pay
+#: and draft-cannot-pay), and the gain it must then show.
+CAN_PAY = {"ngram": 0.90, "draft": 0.85}
+CAN_PAY_GAIN = 1.05
+
+
+class Ngrams:
+    """Where each n-gram of a token sequence last ended before its end, kept up to date as
+    tokens are appended: ``draft(k)`` is what followed the latest earlier match of the last
+    n tokens (the longest n that matches)."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens: list[int] = []
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(NGRAM_SHORTEST, NGRAM_LONGEST + 1)}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        mine = self.tokens
+        for token in tokens:
+            end = len(mine)  # the n-grams ending here now have a continuation: this token
+            for n, ends in self._ends.items():
+                if end >= n:
+                    ends[tuple(mine[end - n:end])] = end
+            mine.append(token)
+
+    def draft(self, k: int) -> list[int]:
+        mine, size = self.tokens, len(self.tokens)
+        for n in range(NGRAM_LONGEST, NGRAM_SHORTEST - 1, -1):
+            if size < n:
+                continue
+            end = self._ends[n].get(tuple(mine[size - n:]))
+            if end is not None:
+                return mine[end:end + k]
+        return []
+
+
+class Costs:
+    """Measured seconds of a decode of n tokens for a reply decoding alone, and of one
+    draft-model token: the median of the latest ``WINDOW`` of each, so a step slowed by
+    something else running on the machine moves nothing."""
+
+    WINDOW = 9
+    SURE = 3
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self.samples: dict[int, int] = {}
+        self._recent: dict[int, list[float]] = {}
+        self.draft_token: float | None = None
+        self._drafts: list[float] = []
+
+    @classmethod
+    def _median(cls, recent: list[float], seconds: float) -> float:
+        recent.append(seconds)
+        del recent[:-cls.WINDOW]
+        ordered = sorted(recent)
+        return ordered[len(ordered) // 2]
+
+    def add(self, n: int, seconds: float) -> None:
+        self.seconds[n] = self._median(self._recent.setdefault(n, []), seconds)
+        self.samples[n] = self.samples.get(n, 0) + 1
+
+    def add_draft(self, seconds: float) -> None:
+        self.draft_token = self._median(self._drafts, seconds)
+
+    @property
+    def known(self) -> bool:
+        return 1 in self.seconds
+
+    def of(self, n: int) -> float:
+        """The cost of a decode of ``n`` tokens: measured (at least ``SURE`` times), else
+        interpolated between the nearest sizes measured that often, else a guess a little
+        above one token's; a size measured fewer times counts at most as that estimate, so
+        one slow sample does not stop drafting of that length for good."""
+        seconds, samples = self.seconds, self.samples
+        if n == 1 or (n in seconds and samples[n] >= self.SURE):
+            return seconds[n]
+        one = seconds[1]
+        sure = {m: seconds[m] for m in seconds if m == 1 or samples[m] >= self.SURE}
+        below = max(m for m in sure if m < n)
+        above = min((m for m in sure if m > n), default=None)
+        if above is None:
+            slope = (sure[below] - one) / (below - 1) if below > 1 else 0.0
+            guess = sure[below] + max(slope, 0.05 * one) * (n - below)
+        else:
+            guess = sure[below] + (n - below) / (above - below) * (sure[above] - sure[below])
+        return min(seconds[n], guess) if n in seconds else guess
+
+    def best(self, acceptance: float, most: int, per_draft: float = 0.0) -> tuple[int, float]:
+        """The draft length (0..most) with the most expected tokens a second at this per-token
+        acceptance, and that rate as a multiple of decoding one token a step."""
+        one = self.of(1)
+        best, rate = 0, 1.0
+        a = min(max(acceptance, 0.0), 0.99)
+        for length in range(1, most + 1):
+            expected = (1 - a ** (length + 1)) / (1 - a)  # 1 + a + a^2 ... + a^length
+            r = expected * one / (self.of(length + 1) + length * per_draft)
+            if r > rate:
+                best, rate = length, r
+        return best, rate
+
+    def can_pay(self, source: str, most: int) -> bool | None:
+        """Whether drafting at the spec's acceptance for the source would beat one token a
+        step by 5% (None: not measured enough to say)."""
+        if not self.known or sum(self.samples.get(n, 0) for n in range(2, most + 2)) < 4:
+            return None
+        per_draft = 0.0
+        if source == "draft":
+            if self.draft_token is None:
+                return None
+            per_draft = self.draft_token
+        return self.best(CAN_PAY[source], most, per_draft)[1] >= CAN_PAY_GAIN
+
+
+class Speculating:
+    """One reply's drafting: its source, the counts ``usage.speculation`` reports, and the
+    acceptance measured so far (a per-token rate, from a prior the engine keeps)."""
+
+    def __init__(self, source: str, prior: float) -> None:
+        self.source = source
+        self.drafted = self.accepted = 0
+        self.verified = 0  # steps that checked a draft
+        self.paused_steps = 0  # steps held back because drafting did not pay
+        self.held = 0  # paused steps since the last draft
+        self.shared = 0  # steps decoded beside other replies (no drafting then)
+        self.state: str | None = None  # set when drafting cannot run at all (off, unavailable)
+        self.reason: str | None = None
+        self._kept, self._missed = 2 * prior, 2 * (1 - prior)
+        self.history: list[int] = []  # prompt and reply so far (the draft model's input)
+        self.ngrams: Ngrams | None = None
+
+    @property
+    def acceptance(self) -> float:
+        return self._kept / (self._kept + self._missed)
+
+    def checked(self, drafted: int, kept: int) -> None:
+        self.drafted += drafted
+        self.accepted += kept
+        self.verified += 1
+        self.held = 0
+        # a draft of k tokens, kept up to the first miss: kept successes and one failure
+        self._kept = 0.9 * self._kept + kept
+        self._missed = 0.9 * self._missed + (1 if kept < drafted else 0)
+
+    def report(self, cannot_pay: bool) -> dict[str, Any]:
+        state, reason = self.state, self.reason
+        if state is None:
+            if self.drafted:
+                state = "paused" if self.paused_steps >= self.verified else "on"
+            elif cannot_pay:
+                state, reason = "unavailable", f"{self.source}-cannot-pay"
+            else:
+                state = "idle"
+                if self.paused_steps:
+                    reason = "not-paying"
+                elif self.shared:
+                    reason = "shared-batch"
+        return {"source": self.source, "state": state, "drafted": self.drafted, "accepted": self.accepted,
+                "paused_steps": self.paused_steps, "reason": reason}
+
+
+class DraftModel:
+    """A draft GGUF in a context of its own (one sequence), for the engine's target model.
+    ``refused`` is the spec's reason when it cannot serve (draft-model-missing,
+    draft-unsupported-role, draft-load-failed, draft-vocab-mismatch, draft-context-refused);
+    ``on_cpu`` whether it runs on the CPU."""
+
+    def __init__(self, path: str, target: Any, *, n_ctx: int, n_batch: int, threads: int, gpu: bool) -> None:
+        self.llm: Any = None
+        self.batch: Any = None
+        self.refused: str | None = None
+        self.tokens: list[int] = []  # what its cache holds
+        self.on_cpu = not gpu
+        self.path = path
+        if not path:
+            self.refused = "draft-model-missing: no spec_draft_model is set"
+            return
+        if not os.path.isfile(path):
+            self.refused = f"draft-model-missing: {path} is not a file"
+            return
+        try:
+            from llama_cpp import Llama
+            import llama_cpp
+        except ImportError as exc:  # noqa: F841 - the engine itself imported it
+            self.refused = f"draft-load-failed: {exc}"
+            return
+        try:
+            from localm.sdk.gguf import metadata
+            meta = metadata(path)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is refused the same way
+            self.refused = f"draft-load-failed: {os.path.basename(path)} is not a GGUF file ({exc})"
+            return
+        kind = meta.get("general.type") or "model"
+        arch = meta.get("general.architecture", "")
+        if kind != "model" or arch in ("clip", "bert", "nomic-bert", "jina-bert-v2", "t5encoder"):
+            self.refused = f"draft-unsupported-role: {os.path.basename(path)} is not a causal language model " \
+                           f"({kind}, {arch or 'no architecture'})"
+            return
+        try:
+            self.llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                             n_threads_batch=threads, n_gpu_layers=-1 if gpu else 0, verbose=False)
+        except Exception as exc:  # noqa: BLE001 - llama.cpp's errors are ValueError or RuntimeError
+            self.refused = f"draft-load-failed: {exc}"
+            return
+        if llama_cpp.llama_model_has_encoder(self.llm._model.model):
+            self.refused = "draft-unsupported-role: the draft model has an encoder"
+            self.close()
+            return
+        mismatch = vocabulary_mismatch(target, self.llm)
+        if mismatch:
+            self.refused = f"draft-vocab-mismatch: {mismatch}"
+            self.close()
+            return
+        self.n_ctx = self.llm.n_ctx()
+        self.n_batch = n_batch
+        self.n_vocab = self.llm.n_vocab()
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+
+    def draft(self, history: Sequence[int], most: int, costs: Costs) -> list[int]:
+        """Up to ``most`` greedy tokens after ``history``, stopping at the first whose
+        probability is under DRAFT_P_MIN; an empty list when the window cannot hold them."""
+        import llama_cpp
+        import numpy as np
+        if self.llm is None or len(history) + most >= self.n_ctx:
+            return []
+        ctx = self.llm._ctx.ctx
+        mine = self.tokens
+        keep = 0
+        limit = min(len(mine), len(history) - 1)  # the last token is decoded again for its logits
+        while keep < limit and mine[keep] == history[keep]:
+            keep += 1
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, keep, -1)
+        del mine[keep:]
+        started = time.perf_counter()
+        pending = list(history[keep:])
+        while pending:
+            chunk, pending = pending[:self.n_batch], pending[self.n_batch:]
+            if not self._decode(chunk, last_logits=not pending):
+                return []
+        out: list[int] = []
+        steps = 0
+        while True:
+            pointer = llama_cpp.llama_get_logits_ith(ctx, -1)
+            logits = np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+            token = int(logits.argmax())
+            top = float(1.0 / np.exp(logits - logits[token]).sum())
+            if top < DRAFT_P_MIN and out:
+                break
+            out.append(token)
+            if len(out) >= most or top < DRAFT_P_MIN:
+                break
+            step = time.perf_counter()
+            if not self._decode([token], last_logits=True):
+                break
+            costs.add_draft(time.perf_counter() - step)
+            steps += 1
+        if not steps:  # catching up is part of what drafting costs; counted as one token's
+            costs.add_draft(time.perf_counter() - started)
+        return out
+
+    def _decode(self, tokens: list[int], *, last_logits: bool) -> bool:
+        import llama_cpp
+        batch, at = self.batch, len(self.tokens)
+        for i, token in enumerate(tokens):
+            batch.token[i] = token
+            batch.pos[i] = at + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = last_logits and i == len(tokens) - 1
+        batch.n_tokens = len(tokens)
+        if llama_cpp.llama_decode(self.llm._ctx.ctx, batch) != 0:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.llm._ctx.ctx), 0, -1, -1)
+            self.tokens.clear()
+            return False
+        self.tokens.extend(tokens)
+        return True
+
+    def close(self) -> None:
+        import llama_cpp
+        if self.batch is not None:
+            llama_cpp.llama_batch_free(self.batch)
+            self.batch = None
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
+
+def vocabulary_mismatch(target: Any, draft: Any) -> str | None:
+    """Why two llama-cpp-python models do not share a vocabulary (None: they do): every token's
+    text must be the same, as must the special tokens the templates use."""
+    if target.n_vocab() != draft.n_vocab():
+        return f"the draft model has {draft.n_vocab()} tokens, the model {target.n_vocab()}"
+    a, b = target._model, draft._model
+    for token in range(target.n_vocab()):
+        if a.token_get_text(token) != b.token_get_text(token):
+            return f"token {token} is {b.token_get_text(token)!r} in the draft model, {a.token_get_text(token)!r} " \
+                   "in the model"
+    if (target.token_bos(), target.token_eos()) != (draft.token_bos(), draft.token_eos()):
+        return "the draft model's begin and end tokens differ"
+    return None
