@@ -1575,8 +1575,8 @@ class LlamaEngine:
         report = None
         if seq is not None and seq.spec is not None:
             spec_state = seq.spec
-            if spec_state.verified:  # the next reply starts from what this one measured
-                self._prior[spec_state.source] = 0.5 * self._prior[spec_state.source] + 0.5 * spec_state.acceptance
+            if spec_state.verified and spec_state.source == "draft":  # how well the draft model agrees:
+                self._prior["draft"] = 0.5 * self._prior["draft"] + 0.5 * spec_state.acceptance  # the next starts there
             report = spec_state.report(self._adaptive and
                                        self._costs.can_pay(spec_state.source, self._draft_max) is False)
             if report["state"] == "on" and spec_state.source == "draft" and self._drafter is not None \
