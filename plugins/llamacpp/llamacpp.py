@@ -81,7 +81,7 @@ class Settings:
                                         description="The draft model's GGUF file for spec_source draft (the same "
                                                     "vocabulary as the models it drafts for; takes effect when a "
                                                     "model loads)")
-    spec_draft_max: int = sdk.setting(8, min=1, max=32, description="The most tokens drafted a step")
+    spec_draft_max: int = sdk.setting(16, min=1, max=64, description="The most tokens drafted a step")
     spec_adaptive: bool = sdk.setting(True, description="Draft only as far as the measured step costs and "
                                                         "acceptance say it pays (off: draft every step a draft "
                                                         "is found, as far as spec_draft_max)")
@@ -241,6 +241,10 @@ def _positions(request: spec.GenerateRequest) -> int:
     """The positions a request's prompt takes: its tokens and its media's."""
     return len(request.prompt) + sum(span.tokens for span in request.media) if request.media else len(request.prompt)
 
+
+#: A draft model whose tokens were kept less often than this in the last replies is probed in
+#: one reply of eight only.
+DRAFT_WORTH = 0.2
 
 #: Prompt chunks shorter than this are read together, several newcomers' in one decode: below
 #: it llama.cpp's CPU attention computes each row on its own (its tiled kernel starts at 64
@@ -520,10 +524,11 @@ class LlamaEngine:
         #: speculative drafting (speculation.py): the source a request without spec_source gets,
         #: the most tokens a step drafts, the measured step costs and acceptance, the draft model
         self._spec_default = settings.get("spec_source") or "off"
-        self._draft_max = int(settings.get("spec_draft_max") or 8)
+        self._draft_max = int(settings.get("spec_draft_max") or 16)
         self._adaptive = bool(settings.get("spec_adaptive", True))
         self._costs = speculation.Costs()
         self._prior = {"ngram": 0.6, "draft": 0.6}
+        self._draft_replies = 0
         self._drafter: speculation.DraftModel | None = None
         if not self.reranker:
             self.capabilities = attrs.evolve(self.capabilities, speculation=speculation.SOURCES)
@@ -1119,6 +1124,12 @@ class LlamaEngine:
             state.state = "unavailable"
             state.reason = self._drafter.refused if self._drafter is not None else \
                 "draft-model-missing: no spec_draft_model is set"
+        elif source == "draft" and self._adaptive:
+            # a draft model measured not to pay in the last replies (its agreement carries over):
+            # one reply in eight probes it again; the others do not pay its reading of the prompt
+            self._draft_replies += 1
+            if self._prior["draft"] < DRAFT_WORTH and self._draft_replies % 8:
+                state.probes_left = 0
         return state
 
     def _place_media(self, seq: _Sequence, request: spec.GenerateRequest) -> str | None:
@@ -1309,19 +1320,21 @@ class LlamaEngine:
         if state.source == "ngram":
             if state.ngrams is None:
                 state.ngrams = speculation.Ngrams(state.history)
-            candidate = state.ngrams.draft(most)
+            candidate, match = state.ngrams.draft(most)
             if not candidate:
                 return False
-            length = costs.best(state.acceptance, len(candidate))[0] if self._adaptive else len(candidate)
+            length = costs.best(state.acceptance(match), len(candidate))[0] if self._adaptive else len(candidate)
         elif self._adaptive:
+            match = 0
             per_draft = costs.draft_token if costs.draft_token is not None else 0.1 * costs.of(1)
-            length, _ = costs.best(state.acceptance, most, per_draft)
+            length, _ = costs.best(state.acceptance(), most, per_draft)
         else:
-            length = most
-        if length == 0:
+            match, length = 0, most
+        probing = length == 0
+        if probing:
             state.paused_steps += 1
             state.held += 1
-            if state.held < speculation.PROBE_EVERY:
+            if not state.probe():
                 return False
             length = 2  # now and then a short draft, to see whether the text turned repetitive
         if state.source == "ngram":
@@ -1358,7 +1371,9 @@ class LlamaEngine:
                     continue
             break
         self._forget(slot, at + 1 + kept)  # the rejected tail's cells
-        state.checked(len(draft), kept)
+        state.checked(len(draft), kept, match)
+        if probing:
+            state.probed(kept)
         return True
 
     def _media_chunk(self, seq: _Sequence) -> list[int]:
@@ -1576,7 +1591,7 @@ class LlamaEngine:
         if seq is not None and seq.spec is not None:
             spec_state = seq.spec
             if spec_state.verified and spec_state.source == "draft":  # how well the draft model agrees:
-                self._prior["draft"] = 0.5 * self._prior["draft"] + 0.5 * spec_state.acceptance  # the next starts there
+                self._prior["draft"] = 0.5 * self._prior["draft"] + 0.5 * spec_state.overall  # the next starts there
             report = spec_state.report(self._adaptive and
                                        self._costs.can_pay(spec_state.source, self._draft_max) is False)
             if report["state"] == "on" and spec_state.source == "draft" and self._drafter is not None \

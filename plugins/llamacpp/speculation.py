@@ -5,7 +5,7 @@ itself is kept.
 Two draft sources:
 
 - ``ngram`` (prompt lookup, :class:`Ngrams`): the continuation of the latest earlier match of
-  the reply's last n tokens (n = 4 down to 2) in the prompt and the reply so far. It costs
+  the reply's last n tokens (n = 8 down to 2) in the prompt and the reply so far. It costs
   nothing to propose and pays where a reply repeats its context: quoting a passage, editing
   code, JSON that echoes its input.
 - ``draft`` (:class:`DraftModel`): a small GGUF sharing the model's vocabulary, in a context
@@ -36,10 +36,13 @@ log = logging.getLogger("localm.plugin.llamacpp")
 
 #: The draft sources this engine runs.
 SOURCES = ("ngram", "draft")
-#: The n-gram lengths prompt lookup matches, longest first.
-NGRAM_LONGEST, NGRAM_SHORTEST = 4, 2
-#: After this many steps held back by costs, one draft is tried anyway.
-PROBE_EVERY = 16
+#: The n-gram lengths prompt lookup matches, longest first: a longer match predicts better, and
+#: each length's acceptance is measured apart.
+NGRAM_LONGEST, NGRAM_SHORTEST = 8, 2
+#: After this many steps held back by costs, one short draft is tried anyway; each probe that
+#: keeps nothing doubles the wait (up to PROBE_MOST). A draft model, which must read everything
+#: since its last draft to propose anything, gets DRAFT_PROBES such probes a reply.
+PROBE_EVERY, PROBE_MOST, DRAFT_PROBES = 16, 256, 2
 #: A draft model stops proposing when its top token's probability falls below this.
 DRAFT_P_MIN = 0.5
 #: The acceptance at which a source is judged able to pay at all (the spec's ngram-cannot-pay
@@ -51,7 +54,7 @@ CAN_PAY_GAIN = 1.05
 class Ngrams:
     """Where each n-gram of a token sequence last ended before its end, kept up to date as
     tokens are appended: ``draft(k)`` is what followed the latest earlier match of the last
-    n tokens (the longest n that matches)."""
+    n tokens (the longest n that matches), and n."""
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.tokens: list[int] = []
@@ -67,15 +70,15 @@ class Ngrams:
                     ends[tuple(mine[end - n:end])] = end
             mine.append(token)
 
-    def draft(self, k: int) -> list[int]:
+    def draft(self, k: int) -> tuple[list[int], int]:
         mine, size = self.tokens, len(self.tokens)
         for n in range(NGRAM_LONGEST, NGRAM_SHORTEST - 1, -1):
             if size < n:
                 continue
             end = self._ends[n].get(tuple(mine[size - n:]))
             if end is not None:
-                return mine[end:end + k]
-        return []
+                return mine[end:end + k], n
+        return [], 0
 
 
 class Costs:
@@ -135,7 +138,7 @@ class Costs:
         acceptance, and that rate as a multiple of decoding one token a step."""
         one = self.of(1)
         best, rate = 0, 1.0
-        a = min(max(acceptance, 0.0), 0.99)
+        a = min(max(acceptance, 0.0), 0.995)
         for length in range(1, most + 1):
             expected = (1 - a ** (length + 1)) / (1 - a)  # 1 + a + a^2 ... + a^length
             r = expected * one / (self.of(length + 1) + length * per_draft)
@@ -158,7 +161,8 @@ class Costs:
 
 class Speculating:
     """One reply's drafting: its source, the counts ``usage.speculation`` reports, and the
-    acceptance measured so far (a per-token rate, from a prior the engine keeps)."""
+    acceptance measured so far (a per-token rate, from a prior the engine keeps), for n-gram
+    drafts by the length of the match."""
 
     def __init__(self, source: str, prior: float) -> None:
         self.source = source
@@ -166,25 +170,53 @@ class Speculating:
         self.verified = 0  # steps that checked a draft
         self.paused_steps = 0  # steps held back because drafting did not pay
         self.held = 0  # paused steps since the last draft
+        self.probe_every = PROBE_EVERY
+        self.probes_left: int | None = DRAFT_PROBES if source == "draft" else None
         self.shared = 0  # steps decoded beside other replies (no drafting then)
         self.state: str | None = None  # set when drafting cannot run at all (off, unavailable)
         self.reason: str | None = None
-        self._kept, self._missed = 2 * prior, 2 * (1 - prior)
+        self._prior = prior
+        self._counts: dict[int, list[float]] = {}  # match length (0: a draft model) -> [kept, missed]
         self.history: list[int] = []  # prompt and reply so far (the draft model's input)
         self.ngrams: Ngrams | None = None
 
-    @property
-    def acceptance(self) -> float:
-        return self._kept / (self._kept + self._missed)
+    def _start(self, match: int) -> list[float]:
+        """The prior as counts: the engine's for a draft model, and for an n-gram match one that
+        trusts a longer match more (0.5 for 2 tokens, 0.8 for 8)."""
+        prior = self._prior if not match else min(0.9, 0.4 + 0.05 * match)
+        return [2 * prior, 2 * (1 - prior)]
 
-    def checked(self, drafted: int, kept: int) -> None:
+    def acceptance(self, match: int = 0) -> float:
+        kept, missed = self._counts.get(match) or self._start(match)
+        return kept / (kept + missed)
+
+    @property
+    def overall(self) -> float:
+        kept = sum(k for k, _ in self._counts.values())
+        missed = sum(m for _, m in self._counts.values())
+        return kept / (kept + missed) if kept + missed else self._prior
+
+    def probe(self) -> bool:
+        """After a paused step: whether to try a short draft now."""
+        if self.held < self.probe_every or self.probes_left == 0:
+            return False
+        if self.probes_left is not None:
+            self.probes_left -= 1
+        return True
+
+    def probed(self, kept: int) -> None:
+        if not kept:
+            self.probe_every = min(PROBE_MOST, 2 * self.probe_every)
+
+    def checked(self, drafted: int, kept: int, match: int = 0) -> None:
         self.drafted += drafted
         self.accepted += kept
         self.verified += 1
         self.held = 0
         # a draft of k tokens, kept up to the first miss: kept successes and one failure
-        self._kept = 0.9 * self._kept + kept
-        self._missed = 0.9 * self._missed + (1 if kept < drafted else 0)
+        counts = self._counts.setdefault(match, self._start(match))
+        counts[0] = 0.9 * counts[0] + kept
+        counts[1] = 0.9 * counts[1] + (1 if kept < drafted else 0)
 
     def report(self, cannot_pay: bool) -> dict[str, Any]:
         state, reason = self.state, self.reason

@@ -225,12 +225,12 @@ def test_no_draft_model_set_is_draft_model_missing(client: openai.OpenAI, module
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     ngrams = plugin_module("llamacpp", "speculation").Ngrams([1, 2, 3, 4, 5, 9, 2, 3])
-    assert ngrams.draft(3) == [4, 5, 9]  # (2, 3) ended at 4 before: what followed it
+    assert ngrams.draft(3) == ([4, 5, 9], 2)  # (2, 3) ended at 4 before: what followed it
     ngrams.extend([4, 7])
-    assert ngrams.draft(8) == []  # (4, 7) never came before
+    assert ngrams.draft(8) == ([], 0)  # (4, 7) never came before
     ngrams.extend([2, 3, 4])
-    assert ngrams.draft(2) == [7, 2]  # (2, 3, 4) last came before 7
-    assert plugin_module("llamacpp", "speculation").Ngrams([5]).draft(4) == []
+    assert ngrams.draft(2) == ([7, 2], 3)  # (2, 3, 4) last came before 7: the longest match
+    assert plugin_module("llamacpp", "speculation").Ngrams([5]).draft(4) == ([], 0)
 
 
 def test_drafting_goes_as_far_as_the_measured_costs_pay() -> None:
