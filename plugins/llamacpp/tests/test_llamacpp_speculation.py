@@ -23,6 +23,7 @@ import pytest
 
 from draft_fixtures import write_draft
 from localm.sdk.testing import LocalmServer, plugin_module
+from project_fixtures import offline_cli
 
 pytest.importorskip("llama_cpp")
 
@@ -250,3 +251,19 @@ def test_drafting_goes_as_far_as_the_measured_costs_pay() -> None:
         for n in range(2, 6):
             costs.add(n, 0.010 * n)
     assert costs.best(0.9, 4)[0] == 0 and costs.can_pay("ngram", 4) is False
+
+
+def test_only_the_owner_names_the_draft_model_file(localm_server, tmp_path: Path) -> None:
+    # spec_draft_model names a file the server opens: a config:write key neither sees nor sets it
+    data_dir = tmp_path / "data"
+    offline_cli(data_dir, "key", "generate")
+    writer = offline_cli(data_dir, "key", "create", "--scope", "config:write").strip()
+    s = localm_server(data_dir=data_dir, plugins=["chat", "llamacpp"])
+    listed = {p["plugin"]: p for p in s.client(writer).get("/v1/plugins/settings").json()["plugins"]}
+    keys = {f["key"] for f in listed["llamacpp"]["fields"]}
+    assert "spec_source" in keys and "spec_draft_model" not in keys
+    refused = s.client(writer).post("/v1/plugins/llamacpp/settings", json={"spec_draft_model": "/etc/passwd"})
+    assert refused.status_code == 403
+    assert not (data_dir / "config.json").exists()  # nothing was written
+    assert s.client(writer).post("/v1/plugins/llamacpp/settings", json={"spec_source": "ngram"}).status_code == 200
+    assert json.loads((data_dir / "config.json").read_text())["plugins"]["llamacpp"] == {"spec_source": "ngram"}
