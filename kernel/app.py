@@ -195,7 +195,7 @@ class Guard:
             kind, _, value = auth.partition(" ")
             if kind.lower() == "bearer":
                 bearer = value.strip()
-        if bearer is None and opt.get("x_api_key"):
+        if bearer is None and access != "session":  # Anthropic clients send their key so; the bearer wins
             bearer = _header(scope, b"x-api-key")
         client = scope.get("client")
         attach = bool(bearer) and is_loopback(client[0] if client else None) and k.check_attach_token(bearer)

@@ -633,12 +633,69 @@ def key_create(obj: Ctx, name: str, scopes: tuple[str, ...], expires_in: float |
         else:
             from .auth import KeyStore
             known = set(KERNEL_SCOPES) | set(obj.offline_plugins().known_scopes())
-            record, plaintext = KeyStore(obj.data_dir).create(**parse_mint_request(request, OWNER, known))
-            out = {"id": record.id, "key": plaintext, "warnings": []}
+            store = KeyStore(obj.data_dir)
+            wanted = parse_mint_request(request, OWNER, known)
+            store.keys_file.read()  # unreadable: refused before anything is written
+            out = {"warnings": []}
+            if not store.any_key():  # as the server does: the first key comes with an owner key
+                out["owner_key"] = new_key()
+                store.set_owner_key(out["owner_key"])
+            record, plaintext = store.create(**wanted)
+            out.update({"id": record.id, "key": plaintext})
         click.echo(out["key"])
         click.echo(f"Key {out['id']}: shown once, stored only as a hash.", err=True)
+        if out.get("owner_key"):
+            click.echo(f"Owner key: {out['owner_key']}", err=True)
+            click.echo("It was the first key, so an owner key was made too (shown once): with keys on, every "
+                       "caller needs one; `localm key generate` rolls it.", err=True)
         for w in out.get("warnings", []):
+            if not w.startswith("This was the first key"):
+                click.echo(f"Warning: {w}", err=True)
+    run(body)
+
+
+@key.command("set")
+@click.argument("value", required=False)
+@click.pass_obj
+def key_set(obj: Ctx, value: str | None) -> None:
+    """Make VALUE the owner key (read from stdin when left out, so it stays out of the shell's
+    history)."""
+    if value is None:
+        value = sys.stdin.readline().strip()
+    if not value:
+        fail("No key given: pass it as an argument or on stdin")
+
+    def body() -> None:
+        if obj.server:
+            out = obj.server.call("POST", "/api/auth/key/rotate", json={"key": value})
+            warnings = out["warnings"]
+        else:
+            from .auth import KeyStore
+            KeyStore(obj.data_dir).set_owner_key(value)
+            warnings = []
+        click.echo("The owner key is set (stored only as a hash).")
+        for w in warnings:
             click.echo(f"Warning: {w}", err=True)
+    run(body)
+
+
+@key.command("recover")
+@click.pass_obj
+def key_recover(obj: Ctx) -> None:
+    """After a leak: roll the owner key and sign out every browser session. It changes the
+    files in the data dir directly, so it works whether or not a server runs, and only on this
+    machine."""
+    def body() -> None:
+        from .auth import KeyStore
+        from .sessions import SessionStore
+        keys = KeyStore(obj.data_dir)
+        value = new_key()
+        keys.set_owner_key(value)
+        SessionStore(obj.data_dir, keys).drop_all()
+        click.echo(value)
+        click.echo("This is the new owner key: it is shown once and stored only as a hash. Every browser "
+                   "session is signed out; scoped keys are as they were (`localm key list`, "
+                   "`localm key revoke ID`).", err=True)
     run(body)
 
 

@@ -82,17 +82,37 @@ READ_ONLY_EXTRAS = ("effective_mode", "effective_chat_mode", "effective_coder_mo
 
 INSTANCE_ID = secrets.token_hex(8)
 
+#: Settings kept in ``credentials.json`` (readable by this user alone) instead of config.json,
+#: and written after it: a change that fails leaves them as they were.
+CREDENTIAL_KEYS = ("hf_token",)
+
 
 class Config:
     def __init__(self, data_dir: Path) -> None:
         self.file = JsonFile(Path(data_dir) / "config.json", what="config.json", default=dict, expect=dict)
+        self.credentials = JsonFile(Path(data_dir) / "credentials.json", what="credentials.json", default=dict,
+                                    expect=dict, mode=0o600)
 
     # --- reading ----------------------------------------------------------------
     def raw(self) -> dict[str, Any]:
         return self.file.cached()
 
+    def _credentials(self) -> dict[str, Any]:
+        """credentials.json, with any credential an older config.json still holds under it."""
+        stored = self.credentials.cached()
+        try:
+            raw = self.raw()
+        except LocalmError:
+            raw = {}
+        return {**{key: raw[key] for key in CREDENTIAL_KEYS if key in raw}, **stored}
+
     def get(self, key: str) -> Any:
         """A kernel setting's value (its default when unset or when the file is unreadable)."""
+        if key in CREDENTIAL_KEYS:
+            try:
+                return self._credentials().get(key, KERNEL_FIELDS[key].default)
+            except LocalmError:
+                return KERNEL_FIELDS[key].default
         try:
             raw = self.raw()
         except LocalmError:
@@ -116,16 +136,32 @@ class Config:
         block = plugins.get(name, {}) if isinstance(plugins, dict) else {}
         return block if isinstance(block, dict) else {}
 
-    def view(self, principal: Principal, *, port: int | None) -> dict[str, Any]:
-        """The whole config as GET /v1/config shows it to this caller."""
+    def view(self, principal: Principal, *, port: int | None,
+             plugin_fields: Mapping[str, Mapping[str, FieldSpec]] | None = None) -> dict[str, Any]:
+        """The whole config as GET /v1/config shows it to this caller. ``plugin_fields``: each
+        plugin's declared settings; a caller who is not the owner sees, in ``plugins``, only the
+        values of settings declared there and not owner-only (nor secret)."""
         raw = self.raw()
+        if principal.is_owner:
+            raw = {**raw, **self._credentials()}
         out: dict[str, Any] = {}
         for key, spec in KERNEL_FIELDS.items():
             if spec.owner_only and not principal.is_owner:
                 continue
             out[key] = raw.get(key, spec.default)
         out["plugins_enabled"] = raw.get("plugins_enabled", {})
-        out["plugins"] = raw.get("plugins", {})
+        plugins = raw.get("plugins", {})
+        if not principal.is_owner:
+            shown: dict[str, Any] = {}
+            for name, block in (plugins.items() if isinstance(plugins, dict) else ()):
+                fields = (plugin_fields or {}).get(name, {})
+                if isinstance(block, dict):
+                    kept = {key: value for key, value in block.items()
+                            if key in fields and not fields[key].owner_only}
+                    if kept:
+                        shown[name] = kept
+            plugins = shown
+        out["plugins"] = plugins
         out["instance_id"] = INSTANCE_ID
         out["instance_port"] = port
         return out
@@ -152,6 +188,9 @@ class Config:
         if not updates:
             self.raw()  # still report an unreadable file
             return
+        credentials = {key: updates.pop(key) for key in CREDENTIAL_KEYS if key in updates}
+        if credentials:
+            self.credentials.read()  # an unreadable file is a 409 before anything is written
 
         def apply(current: dict[str, Any]) -> dict[str, Any]:
             for key, value in updates.items():
@@ -161,6 +200,28 @@ class Config:
                     current[key] = value
             return current
         self.file.update(apply)
+        if not credentials:
+            return
+
+        def store(current: dict[str, Any]) -> dict[str, Any]:
+            for key, value in credentials.items():
+                if value is None or value == "":
+                    current.pop(key, None)
+                else:
+                    current[key] = value
+            return current
+        try:
+            self.credentials.update(store)
+        except OSError as exc:
+            raise LocalmError(500, f"credentials.json could not be written ({exc.strerror or exc}); "
+                                   "the credentials are as they were") from None
+        if any(key in self.raw() for key in credentials):  # one an older config.json held: moved
+
+            def drop(current: dict[str, Any]) -> dict[str, Any]:
+                for key in credentials:
+                    current.pop(key, None)
+                return current
+            self.file.update(drop)
 
     def set_plugin_enabled(self, name: str, enabled: bool) -> None:
         def apply(current: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,9 @@ _MISSING = object()
 def setting(default: Any = _MISSING, *, factory: Any = None, description: str = "", label: str | None = None,
             owner_only: bool = False, choices: typing.Sequence[Any] | None = None,
             min: float | None = None, max: float | None = None, secret: bool = False) -> Any:
-    """Declare one setting on an attrs class (``x: int = setting(3, description=...)``)."""
+    """Declare one setting on an attrs class (``x: int = setting(3, description=...)``).
+    ``owner_only``: hidden from, and refused for, a caller who is not the owner; ``secret``
+    (a token, a password) is owner-only too."""
     meta = {"localm": {"description": description, "label": label, "owner_only": owner_only,
                        "choices": list(choices) if choices is not None else None,
                        "min": min, "max": max, "secret": secret}}
@@ -52,6 +54,10 @@ class FieldSpec:
     #: type's strict check: for fields whose type is described by another library (an Open
     #: WebUI Function's pydantic Valves); ``type`` is then the name the schema shows.
     checker: Any = attrs.field(default=None, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.secret and not self.owner_only:  # a secret is shown to, and set by, the owner alone
+            object.__setattr__(self, "owner_only", True)
 
     def schema(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "type": type_name(self.type), "default": self.default,

@@ -200,6 +200,7 @@ def test_outlets_chain_in_priority_order_on_every_surface(server: Any, clients: 
     # footer's outlet saw the whole reply as the client got it, with stamp's change: hooks chain
     assert last["content"] == generated + " [stamp]", (last, said.text)
     assert last["streamed"] is stream and last["model"] == MODEL
+    assert last["finish_reason"] in ("stop", "length") and last["error"] is None  # context.outcome
     if stream:
         assert last["events"] >= 1  # the stream hook saw the text events
     if surface != "ollama":  # the ollama client keeps neither headers nor unknown fields
@@ -327,6 +328,45 @@ def test_a_stream_hook_that_raises_ends_the_stream_in_band(server: Any, clients:
         "model": MODEL, "messages": [{"role": "user", "content": HI}], "options": {"num_predict": 4},
         "fail_stream": True}, timeout=120).text.splitlines()]
     assert "hookfail" in lines[-1]["error"]
+
+
+def test_the_outlet_runs_after_a_failed_reply_with_its_outcome(server: Any, clients: dict[str, Any]) -> None:
+    seen = server.url + "/api/footer/seen"
+    before = len(httpx.get(seen).json()["outlets"])
+    chunks = list(clients["openai"].chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": HI}], max_tokens=4, stream=True,
+        extra_body={"fail_stream": True}))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "error"
+    after = httpx.get(seen).json()["outlets"][before:]
+    assert len(after) == 1 and after[0]["finish_reason"] == "error" and "hookfail" in after[0]["error"], after
+    assert not any(" [footer]" in (c.choices[0].delta.content or "") for c in chunks if c.choices)  # reaches nobody
+
+
+def test_the_outlet_runs_after_the_client_leaves(server: Any) -> None:
+    import time
+    seen = server.url + "/api/footer/seen"
+    before = len(httpx.get(seen).json()["outlets"])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to a hundred."}],
+            "max_tokens": 200, "stream": True, "temperature": 0}
+    for stream in (True, False):
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            if stream:
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if '"content"' in line:
+                            break  # the client leaves after the first words
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    c.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2000}, timeout=0.5)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            after = httpx.get(seen).json()["outlets"][before:]
+            if after:
+                break
+            time.sleep(0.1)
+        assert len(after) == 1 and after[0]["finish_reason"] == "abandoned" and after[0]["error"] is None, after
+        assert after[0]["streamed"] is stream
+        before += 1
 
 
 def test_a_hook_that_returns_what_it_may_not_fails_closed(server: Any, clients: dict[str, Any]) -> None:

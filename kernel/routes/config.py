@@ -43,7 +43,12 @@ def _patch_schema() -> dict[str, Any]:
 @get("/v1/config", scope="config:read", summary="The whole config, with read-only extras")
 async def read_config(request: Request) -> dict[str, Any]:
     k = kernel_of(request)
-    return {**k.config.view(principal_of(request), port=k.port), **_context_extras(k)}
+    return {**k.config.view(principal_of(request), port=k.port, plugin_fields=_declared(k)), **_context_extras(k)}
+
+
+def _declared(k: Any) -> dict[str, Any]:
+    """Each loaded plugin's settings, by name: what a caller who is not the owner may see."""
+    return {p.name: p.fields for p in k.plugins.plugins.values()}
 
 
 def _context_extras(k: Any) -> dict[str, Any]:
@@ -71,7 +76,7 @@ async def patch_config(request: Request) -> dict[str, Any]:
     k.config.patch(body, caller)
     if "plugins_enabled" in body and k.config.enabled_overrides() != before:
         await k.plugins.sync()
-    return {**k.config.view(caller, port=k.port), **_context_extras(k)}
+    return {**k.config.view(caller, port=k.port, plugin_fields=_declared(k)), **_context_extras(k)}
 
 
 @get("/v1/config/schema", scope="config:read", summary="Every setting: kernel and active plugins")

@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import attrs
-from litestar import Request
+from litestar import Request, Response
+from litestar.datastructures import Cookie
 from msgspec import Meta
 
 from .. import limits
 from ..auth import KERNEL_SCOPES, PRIVILEGED_SCOPES, new_key, parse_mint_request
 from ..errors import LocalmError
 from ..routing import delete, get, post
+from ..sessions import COOKIE, SESSION_TTL
 from .common import json_body, kernel_of, principal_of
 
 
@@ -60,7 +62,7 @@ async def list_keys(request: Request) -> dict[str, Any]:
       errors={400: "A field of the wrong type, an unknown scope, or a name or list over its limit "
                    "(code limit_exceeded)", 403: "A privileged grant by a caller who is not the owner",
               409: "The key store exists but cannot be read"})
-async def create_key(request: Request) -> dict[str, Any]:
+async def create_key(request: Request) -> Response:
     k = kernel_of(request)
     caller = principal_of(request)
     body = await json_body(request)
@@ -68,10 +70,23 @@ async def create_key(request: Request) -> dict[str, Any]:
     wanted = parse_mint_request(body, caller, set(known))
     scopes = wanted["scopes"]
     k.keys.keys_file.read()  # 409 before anything is minted when the store is unreadable
+    first = not k.keys.any_key()  # open mode: this key turns keys on for every caller
+    owner_key = None
+    if first:  # the local user keeps full access: an owner key, and this browser signed in as it
+        owner_key = new_key()
+        k.keys.set_owner_key(owner_key)
     record, plaintext = k.keys.create(**wanted)
     out: dict[str, Any] = {"id": record.id, "name": record.name, "scopes": list(record.scopes),
                            "expires": record.expires, "fs_access": record.fs_access,
                            "rag_roots": list(record.rag_roots), "key": plaintext}
+    cookie = None
+    if owner_key is not None:
+        out["owner_key"] = owner_key
+        owner = k.keys.verify(owner_key)
+        if owner is not None:
+            sid, csrf = k.sessions.create(owner)
+            out["csrf"] = csrf
+            cookie = Cookie(key=COOKIE, value=sid, path="/", httponly=True, samesite="strict", max_age=SESSION_TTL)
     warnings = []
     for s in scopes:
         base = s.split(":")[0]
@@ -81,9 +96,15 @@ async def create_key(request: Request) -> dict[str, Any]:
             warnings.append(f"{s}: no installed plugin serves this scope yet")
         elif s not in KERNEL_SCOPES and p is not None and not p.active:
             warnings.append(f"{s}: the {p.name} plugin is not active")
+    if owner_key is not None:
+        warnings.append("This was the first key, so an owner key was made too (owner_key, shown once): with "
+                        "keys on, every caller needs one")
     if warnings:
         out["warnings"] = warnings
-    return out
+    response = Response(out)
+    if cookie is not None:
+        response.set_cookie(cookie)
+    return response
 
 
 @delete("/v1/keys/{key_id:str}", scope="keys:admin", summary="Revoke a scoped key",

@@ -85,4 +85,19 @@ async def sign_out(request: Request) -> Response:
     return response
 
 
-ROUTES = [read_session, sign_in, sign_out]
+@get("/whoami", access="public", summary="Who this caller is to the server: its key, scopes and whether a key is needed")
+async def whoami(request: Request) -> dict[str, Any]:
+    """Public, so a client can tell a wrong key from a missing scope: it never refuses, and an
+    unknown or absent credential is ``anonymous`` (or, in open mode, ``open``/``web``)."""
+    k = kernel_of(request)
+    caller = principal_of(request)
+    authed = caller.authenticated
+    return {"kind": caller.kind, "authed": authed, "owner": caller.is_owner and caller.kind != "open",
+            "key_id": caller.key_id if authed else None, "name": caller.name if authed else None,
+            "scopes": sorted(caller.scopes) if authed else [], "via_cookie": caller.via_cookie,
+            "fs_access": caller.fs_access if caller.kind == "key" else None,
+            "rag_roots": list(caller.rag_roots) if caller.kind == "key" else None,
+            "required": k.auth_required()}
+
+
+ROUTES = [read_session, sign_in, sign_out, whoami]

@@ -17,15 +17,13 @@ from . import render, schema
 from .translate import to_chat_request
 
 ROUTE = "anthropic"
-#: x_api_key: Anthropic clients send their key as x-api-key (a bearer token still wins)
-OPT = {"x_api_key": True}
 
 
 async def _body(request: sdk.Request) -> Any:
     return await sdk.json_body(request, require_object=False, missing="The body is not valid JSON")
 
 
-@sdk.post("/v1/messages", scope=None, access="inference", error_family="anthropic", opt=OPT,
+@sdk.post("/v1/messages", scope=None, access="inference", error_family="anthropic",
           summary="Anthropic Messages", body=schema.AnthropicMessagesRequest, errors=schema.ERRORS)
 async def messages(request: sdk.Request) -> Any:
     received = time.perf_counter()
@@ -45,7 +43,7 @@ async def messages(request: sdk.Request) -> Any:
     return sdk.Response({**gen.extra, **message}, headers=gen.headers)
 
 
-@sdk.post("/v1/messages/count_tokens", scope=None, access="inference", error_family="anthropic", opt=OPT,
+@sdk.post("/v1/messages/count_tokens", scope=None, access="inference", error_family="anthropic",
           summary="Anthropic token count", body=schema.AnthropicCountRequest, errors=schema.ERRORS)
 async def count_tokens(request: sdk.Request) -> sdk.Response:
     chat = sdk.host_of(request).chat

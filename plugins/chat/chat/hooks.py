@@ -57,6 +57,8 @@ class RequestState:
         #: status events waiting to be sent; whether a streamed reply's headers were sent
         self.statuses: list[pipeline.Status] = []
         self.opened = False
+        #: how the reply ended, for the outlet hooks (None until it has)
+        self.outcome: dict[str, Any] | None = None
 
     def header(self, name: str, value: str) -> None:
         """A response header; once a streamed reply is open its headers are sent, so a later one
@@ -101,6 +103,15 @@ class ChatContext:
     host = property(lambda self: self._req.host)
     request = property(lambda self: self._req.request)
     model = property(lambda self: self._req.model)
+
+    @property
+    def outcome(self) -> Any:
+        """How the reply ended, once it has (in ``chat_outlet``; None before): a read-only
+        mapping with ``finish_reason`` ("stop", "length", "tool_calls", "error" or "abandoned":
+        the client left before the end), ``error`` (the error's text, or None) and
+        ``completion_tokens``. The outlet hooks run after a failed or abandoned reply too; what
+        they return then reaches nobody."""
+        return types.MappingProxyType(self._req.outcome) if self._req.outcome is not None else None
 
     @property
     def owner_tag(self) -> str:

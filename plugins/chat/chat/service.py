@@ -223,44 +223,81 @@ class Generation:
         async def sent(item: Any) -> list[Any]:
             return [said(one) for one in (await through(item) if through is not None else [item])]
 
-        for status in chain.statuses():
-            for out in await sent(status):
-                yield out
-        async with contextlib.aclosing(self._generated()) as generated:
-            async for item in generated:
-                for out in await sent(item):
-                    yield out
-                for status in chain.statuses():  # a stream hook asked for one
-                    for out in await sent(status):
-                        yield out
-        if self.outcome.finish_reason != "error":
-            if chain.stream_ends:  # what stream hooks held back, through the later plugins' stream hooks
-                for item in await chain.stream_end():
-                    yield said(item)
-                for status in chain.statuses():
-                    for out in await sent(status):
-                        yield out
-            text, reasoning = "".join(said_text), "".join(said_reasoning)
-            message, _ = await chain.outlet(_message(text, reasoning, calls))
+        try:
             for status in chain.statuses():
-                yield status
-            for item in _appended(message, text, reasoning):
-                yield item
+                for out in await sent(status):
+                    yield out
+            async with contextlib.aclosing(self._generated()) as generated:
+                async for item in generated:
+                    for out in await sent(item):
+                        yield out
+                    for status in chain.statuses():  # a stream hook asked for one
+                        for out in await sent(status):
+                            yield out
+            if self.outcome.finish_reason != "error":
+                if chain.stream_ends:  # what stream hooks held back, through the later plugins' stream hooks
+                    for item in await chain.stream_end():
+                        yield said(item)
+                    for status in chain.statuses():
+                        for out in await sent(status):
+                            yield out
+        except BaseException as exc:  # failed, or the client left: the outlet hooks still learn of the turn
+            await self._outlet_after(_message("".join(said_text), "".join(said_reasoning), calls), exc)
+            raise
+        if self.outcome.finish_reason == "error":
+            await self._outlet_after(_message("".join(said_text), "".join(said_reasoning), calls))
+            return
+        text, reasoning = "".join(said_text), "".join(said_reasoning)
+        message, _ = await chain.outlet(self._ended(_message(text, reasoning, calls)))
+        for status in chain.statuses():
+            yield status
+        for item in _appended(message, text, reasoning):
+            yield item
+
+    def _ended(self, message: dict[str, Any], *, abandoned: bool = False) -> dict[str, Any]:
+        """Tell the outlet hooks how the reply ended (``context.outcome``); returns ``message``."""
+        outcome = self.outcome
+        self.chain.state.outcome = {"finish_reason": "abandoned" if abandoned else outcome.finish_reason,
+                                    "error": outcome.error if outcome.finish_reason == "error" else None,
+                                    "completion_tokens": outcome.completion_tokens}
+        return message
+
+    async def _outlet_after(self, message: dict[str, Any], cause: BaseException | None = None) -> None:
+        """Run the outlet hooks after a reply that failed (``cause``: what ended it, when it
+        was raised) or that its client left: what they return reaches nobody, and a hook that
+        fails is logged."""
+        if not self.chain.outlets:
+            return
+        abandoned = isinstance(cause, (asyncio.CancelledError, GeneratorExit, ConnectionError))
+        if cause is not None and not abandoned:
+            self.outcome.finish_reason = "error"
+            self.outcome.error = self.outcome.error or (cause.detail if isinstance(cause, sdk.LocalmError)
+                                                        else f"{type(cause).__name__}: {cause}")
+        try:
+            await self.chain.outlet(self._ended(message, abandoned=abandoned))
+        except BaseException as exc:  # noqa: BLE001 - the reply is over; the cause stays the reply's own
+            log.warning("a chat_outlet hook failed after a %s reply: %s", "left" if abandoned else "failed", exc)
 
     async def reply(self) -> Reply:
         """The whole reply (for a non-streaming request), after the chat_outlet hooks."""
         reply = Reply()
-        async with contextlib.aclosing(self._generated()) as generated:
-            async for item in generated:
-                if isinstance(item, pipeline.Piece):
-                    reply.content.append(item.text)
-                    reply.logprobs.extend(item.logprobs)
-                elif isinstance(item, pipeline.Reasoning):
-                    reply.reasoning.append(item.text)
+        try:
+            async with contextlib.aclosing(self._generated()) as generated:
+                async for item in generated:
+                    if isinstance(item, pipeline.Piece):
+                        reply.content.append(item.text)
+                        reply.logprobs.extend(item.logprobs)
+                    elif isinstance(item, pipeline.Reasoning):
+                        reply.reasoning.append(item.text)
+        except BaseException as exc:  # failed, or the client left: the outlet hooks still learn of the turn
+            await self._outlet_after(_message(reply.text, "".join(reply.reasoning), list(self.outcome.calls)), exc)
+            raise
         reply.calls = list(self.outcome.calls)
-        if self.outcome.finish_reason != "error":
+        if self.outcome.finish_reason == "error":
+            await self._outlet_after(_message(reply.text, "".join(reply.reasoning), reply.calls))
+        else:
             message, reply.rewritten = await self.chain.outlet(
-                _message(reply.text, "".join(reply.reasoning), reply.calls))
+                self._ended(_message(reply.text, "".join(reply.reasoning), reply.calls)))
             if reply.rewritten:
                 reply.content = [message.get("content") or ""]
                 reasoning = message.get("reasoning_content") or ""

@@ -392,6 +392,9 @@ class Functions:
         fn = self.loaded.get(plugin.name)
         if fn is None or state.get("skip"):
             return None
+        outcome = getattr(context, "outcome", None)
+        if outcome is not None and outcome["finish_reason"] in ("error", "abandoned"):
+            return None  # Open WebUI calls a Filter's outlet for a completed reply only
         events: Events | None = state.get("events")
         original = response.get("content") or ""
         content = events.apply(original) if events is not None else original

@@ -1,6 +1,7 @@
 """An outlet that appends a footer to every reply, streamed or not, and a stream hook that
 counts the text events (and upper-cases them when the ``shout`` setting is on). It records
-each message its outlet saw, and the events each stream carried, for the tests."""
+each message its outlet saw, how the reply ended, and the events each stream carried, for the
+tests."""
 
 import attrs
 
@@ -32,8 +33,10 @@ def chat_stream(event, context, plugin):
 
 @sdk.hookimpl
 def chat_outlet(response, context, plugin):
+    outcome = context.outcome
     outlets.append({"route": context.route, "streamed": context.streamed, "content": response["content"],
-                    "events": context.state.get("events", 0), "model": context.model})
+                    "events": context.state.get("events", 0), "model": context.model,
+                    "finish_reason": outcome["finish_reason"], "error": outcome["error"]})
     context.field("footer", {"events": context.state.get("events", 0)})
     return {**response, "content": response["content"] + plugin.settings["text"]}
 
