@@ -80,6 +80,11 @@ class Settings:
     dtype: str = sdk.setting("auto", choices=["auto", "float32", "bfloat16", "float16"],
                              description="The weights' precision (auto: bfloat16 on a GPU that has it, float16 "
                                          "on another accelerator, float32 on the CPU)")
+    hf_embed_max_texts: int = sdk.setting(2048, min=1, description="The most texts one embeddings request may give "
+                                                                   "a model of this engine (a 413 past it)")
+    hf_embed_max_chars: int = sdk.setting(8_000_000, min=1, description="The most characters, all texts together, one "
+                                                                        "embeddings request may give a model of this "
+                                                                        "engine (a 413 past it)")
 
 
 def _placement(torch: Any, device: str, dtype: str) -> tuple[Any, Any]:
@@ -361,7 +366,10 @@ class _Placed:
 class TransformersEngine:
     engine = "transformers"
 
-    def __init__(self, path: str, kind: str, role: str, settings: dict[str, Any]) -> None:
+    def __init__(self, path: str, kind: str, role: str, settings: dict[str, Any],
+                 live: Callable[[], Any] | None = None) -> None:
+        #: the plugin's settings now (the limits a request is checked against); None: ``settings``
+        self._live = live
         self._path = path
         name = os.path.basename(path.rstrip("/"))
         self._name = name
@@ -371,6 +379,7 @@ class TransformersEngine:
         except ImportError as exc:
             raise spec.EngineError(f"transformers cannot be imported: {_first_line(exc)}") from exc
         self._torch = torch
+        self._settings = settings
         self._device, self._dtype = _placement(torch, settings.get("device", "auto"), settings.get("dtype", "auto"))
         self._threads = _threads(settings["n_threads"])
         torch.set_num_threads(self._threads)
@@ -971,6 +980,17 @@ class TransformersEngine:
         generative model's final hidden states (as llama.cpp embeds a GGUF chat model)."""
         if self.reranker:
             raise sdk.LocalmError(422, "This is a reranker: use /v1/rerank", code="not_an_embedding_model")
+        now = self._live() if self._live is not None else self._settings
+        most_texts, most_chars = int(now.get("hf_embed_max_texts", 2048)), int(now.get("hf_embed_max_chars", 8_000_000))
+        if len(texts) > most_texts:
+            raise sdk.LocalmError(413, f"The request gives {len(texts)} texts; this engine embeds at most {most_texts} "
+                                       "a request (the transformers plugin's hf_embed_max_texts)",
+                                  code="too_many_inputs", field="input")
+        chars = sum(len(text) for text in texts)
+        if chars > most_chars:
+            raise sdk.LocalmError(413, f"The request's texts hold {chars} characters; this engine embeds at most "
+                                       f"{most_chars} a request (the transformers plugin's hf_embed_max_chars)",
+                                  code="input_too_large", field="input")
         if not self.embedding:
             for text in texts:
                 size = len(self.tokenize(text))
@@ -1123,6 +1143,6 @@ def register_settings(register):
 def register_engines(register, plugin):
     def load(entry: Any, options: dict[str, Any]) -> TransformersEngine:
         return TransformersEngine(entry.path, entry.type, getattr(entry, "role", "chat"),
-                                  {**plugin.settings, **options})
+                                  {**plugin.settings, **options}, live=lambda: plugin.settings)
 
     register("transformers", load, formats=["hf"], fallback=["gguf"])

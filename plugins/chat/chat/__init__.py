@@ -47,6 +47,12 @@ def startup(host, plugin):
 
 
 @sdk.hookimpl
+def register_routes(register):
+    from . import routes
+    register(*routes.HANDLERS)
+
+
+@sdk.hookimpl
 def register_commands(register):
     from .cli import run  # the `localm run` chat, imported only when the CLI asks for it
 

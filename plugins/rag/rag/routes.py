@@ -9,8 +9,9 @@ import math
 from typing import Any
 
 from localm import sdk
+from localm.sdk import extract
 
-from . import extract, policy, schema
+from . import policy, schema
 from .service import (DEFAULT_EMBEDDER, INTERNAL, MAX_FILE_BYTES, MAX_PATHS, MAX_QUERY_CHARS, MAX_UPLOAD_BYTES,
                       Source, plain_paths)
 
@@ -292,19 +293,7 @@ async def remove_doc(request: sdk.Request, name: str) -> dict[str, Any]:
                   413: "A file over 30 MB (file_too_large)"})
 async def extract_text(request: sdk.Request) -> dict[str, Any]:
     body = await _body(request)
-    filename, data = await asyncio.to_thread(
-        _decode, {"filename": body.get("filename"), "content_b64": body.get("content_b64")}, 0)
-    limit = body.get("max_chars")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
-        raise sdk.LocalmError(400, "max_chars must be an integer", code="invalid_parameter")
-    out = await asyncio.to_thread(extract.extract, filename, data, max_bytes=MAX_FILE_BYTES)
-    text = out.text
-    truncated = False
-    if limit is not None:
-        limit = max(500, min(200_000, limit))
-        truncated = len(text) > limit
-        text = text[:limit]
-    return {"filename": filename, "text": text, "chars": len(text), "truncated": truncated}
+    return await asyncio.to_thread(extract.upload, body)
 
 
 @sdk.get("/api/rag/rerank", summary="Whether knowledge results are reranked, and by what")

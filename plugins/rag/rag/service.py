@@ -21,8 +21,9 @@ from typing import Any
 
 import attrs
 from localm import sdk
+from localm.sdk import extract
 
-from . import chunking, extract, policy, search
+from . import chunking, policy, search
 from .store import Collection, Doc, Row, Store, VectorsUnavailable, chunk_id
 
 log = logging.getLogger("localm.plugin.rag")

@@ -25,7 +25,7 @@ def _load(name: str) -> ModuleType:
     return plugin_module("rag", f"rag.{name}")
 
 
-extract = _load("extract")
+from localm.sdk import extract  # noqa: E402 - the readers rag indexes with
 chunking = _load("chunking")
 
 KINDS = {"notes.txt": "text", "guide.md": "markdown", "page.html": "html", "report.pdf": "pdf",

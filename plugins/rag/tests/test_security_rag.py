@@ -400,7 +400,7 @@ def test_a_docx_bomb_is_refused_from_its_zip_directory(rag: LocalmServer, bomb: 
 
 
 def test_extraction_limits_in_the_module(tmp_path: Path) -> None:
-    extract = _load("extract")
+    from localm.sdk import extract
     chunking = _load("chunking")
     # too many parts, from the directory
     many = io.BytesIO()
@@ -436,7 +436,7 @@ def test_extraction_limits_in_the_module(tmp_path: Path) -> None:
 
 
 def test_a_pdf_page_count_is_bounded(tmp_path: Path) -> None:
-    extract = _load("extract")
+    from localm.sdk import extract
     from pypdf import PdfWriter
 
     writer = PdfWriter()

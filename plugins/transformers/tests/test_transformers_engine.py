@@ -220,6 +220,20 @@ def test_embeddings_of_an_embedding_folder(server: LocalmServer, client: Any, em
     assert detail["engine"] == "transformers" and detail["role"] == "embedding"
 
 
+def test_an_embeddings_request_past_the_caps_is_a_413(server: LocalmServer, client: Any, embedder: str) -> None:
+    owner = server.owner()
+    assert owner.post("/v1/plugins/transformers/settings",
+                      json={"hf_embed_max_texts": 3, "hf_embed_max_chars": 60}).status_code == 200
+    try:
+        for texts, code in ((["a", "b", "c", "d"], "too_many_inputs"), (["x" * 40, "y" * 40], "input_too_large")):
+            r = httpx.post(server.url + "/v1/embeddings", json={"model": EMBEDDER, "input": texts}, timeout=60)
+            assert r.status_code == 413 and r.json()["error"]["code"] == code, r.text
+            assert "hf_embed_max" in r.json()["detail"]
+        assert len(client.embeddings.create(model=EMBEDDER, input=["a", "b", "c"]).data) == 3  # at the caps
+    finally:
+        owner.post("/v1/plugins/transformers/settings", json={"hf_embed_max_texts": None, "hf_embed_max_chars": None})
+
+
 def test_an_embedding_model_does_not_chat(client: Any, embedder: str) -> None:
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=EMBEDDER, messages=QUESTION, max_tokens=3)

@@ -1,4 +1,9 @@
-"""Text out of an uploaded file, and that text made safe to quote in a prompt.
+"""Text out of an uploaded file (what the rag plugin indexes, and what ``POST /api/rag/extract``
+and ``POST /api/chat/extract`` answer): ``extract(filename, data)``, and ``upload(body)`` for a
+route that takes ``{"filename", "content_b64", "max_chars"}``.
+
+- HTML, PDF and DOCX are read with beautifulsoup4, pypdf and python-docx (the rag extra:
+  ``pip install 'localm[rag]'``); without them such a file is a 422 naming what to install.
 
 - The kind comes from the extension; a file without a known one is sniffed (PDF magic, a
   zip holding ``word/document.xml``, a leading doctype or ``<html>``, else text if it is not
@@ -16,6 +21,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import codecs
 import contextlib
 import io
@@ -106,7 +113,12 @@ def extract(filename: str, data: bytes, *, max_bytes: int | None = None,
         raise sdk.LocalmError(413, f"{name}: {len(data)} bytes is over the limit of {max_bytes}",
                               code="file_too_large")
     kind = kind_of(name) or _sniff(name, data)
-    text, sections = _READERS[kind](name, data, max_chars)
+    try:
+        text, sections = _READERS[kind](name, data, max_chars)
+    except ImportError as exc:
+        raise sdk.LocalmError(422, f"{name}: reading a {kind.upper()} file needs {exc.name or 'a package'}, "
+                                   "which is not installed (pip install 'localm[rag]')",
+                              code="extractor_missing") from None
     if len(text) > max_chars:
         raise too_large(name, f"its text is {len(text):,} characters", max_chars, "characters of text",
                         "text_chars")
@@ -284,7 +296,7 @@ def _read_pdf(name: str, data: bytes, max_chars: int) -> tuple[str, int]:
             pages = _pdf_pages(name, data, max_chars)
     except sdk.LocalmError:
         raise
-    except _PDF_LIMITS as exc:
+    except _pdf_limit_errors() as exc:
         raise too_large(name, f"a PDF stream unpacks past the limit ({exc})", PDF_STREAM_BYTES,
                         "bytes for one PDF stream", "pdf_stream_bytes") from None
     except Exception:
@@ -526,9 +538,44 @@ def _pdf_limit_errors() -> tuple[type[BaseException], ...]:
     return (LimitReachedError,)
 
 
-_PDF_LIMITS = _pdf_limit_errors()
-
 _READERS: dict[str, Callable[[str, bytes, int], tuple[str, int]]] = {
     "text": _read_text, "markdown": _read_text, "code": _read_text,
     "html": _read_html, "pdf": _read_pdf, "docx": _read_docx,
 }
+
+
+#: The largest file an upload may hold, decoded.
+MAX_UPLOAD_BYTES = 30 * MB
+MAX_FILENAME_CHARS = 255
+
+
+def upload(body: Any) -> dict[str, Any]:
+    """``{"filename", "content_b64", "max_chars"}`` → ``{"filename", "text", "chars",
+    "truncated"}``: the file decoded (413 ``file_too_large`` over 30 MB, told from the base64's
+    length before it is decoded; 400 ``invalid_base64``), its text (see ``extract``), cut to
+    ``max_chars`` (clamped to 500..200,000; left out: the whole text). Blocking: call it in a
+    worker thread."""
+    if not isinstance(body, dict) or not isinstance(body.get("filename"), str) or not body["filename"].strip() \
+            or not isinstance(body.get("content_b64"), str):
+        raise sdk.LocalmError(400, 'The body must be {"filename": str, "content_b64": str}', code="invalid_parameter")
+    name = body["filename"].replace("\\", "/").rsplit("/", 1)[-1].strip()
+    if not name or len(name) > MAX_FILENAME_CHARS or any(ord(c) < 32 or c == "\x7f" for c in name):
+        raise sdk.LocalmError(400, f"filename must be a file name of 1 to {MAX_FILENAME_CHARS} printable characters",
+                              code="invalid_parameter")
+    limit = body.get("max_chars")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise sdk.LocalmError(400, "max_chars must be an integer", code="invalid_parameter")
+    encoded = body["content_b64"]
+    if len(encoded) * 3 // 4 > MAX_UPLOAD_BYTES + 2:
+        raise sdk.LocalmError(413, f"{name} is over 30 MB", code="file_too_large")
+    try:
+        data = base64.b64decode("".join(encoded.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise sdk.LocalmError(400, f"{name}: content_b64 is not valid base64", code="invalid_base64") from None
+    text = extract(name, data, max_bytes=MAX_UPLOAD_BYTES).text
+    truncated = False
+    if limit is not None:
+        limit = max(500, min(200_000, limit))
+        truncated = len(text) > limit
+        text = text[:limit]
+    return {"filename": name, "text": text, "chars": len(text), "truncated": truncated}
