@@ -452,6 +452,8 @@ def url_problem(settings: Settings) -> str | None:
         return "update_url is not a valid URL"
     if scheme not in ("http", "https") or not host:
         return "update_url must be an http:// or https:// URL"
+    if "?" in settings.url or "#" in settings.url:
+        return "update_url must be the feed's folder, with no query or fragment"
     if settings.token and scheme != "https" and not _loopback_host(host):
         return "update_token is sent over https only (or to this machine): make update_url an https:// URL"
     return None
@@ -486,7 +488,11 @@ class Feed:
     @contextlib.contextmanager
     def _get(self, url: str, what: str) -> Iterator[httpx.Response]:
         for _ in range(MAX_REDIRECTS + 1):
-            if _origin(url) != self.origin:
+            try:
+                elsewhere = _origin(url) != self.origin
+            except ValueError:
+                elsewhere = True
+            if elsewhere:
                 raise Unreachable(f"{what} is at {url}, which is not on update_url's origin; updates are fetched "
                                   "from that origin only")
             try:

@@ -342,6 +342,17 @@ def test_refused_releases_change_nothing(localm_server: Any, tmp_path: Path, rel
     assert r.status_code == 502 and "not on update_url's origin" in r.json()["detail"]
     assert snapshot(root) == before
 
+    # nor through a redirect
+    release.publish(NEW, good, sign(signer, good))
+    release.files[f"/releases/localm-{NEW}.tar.gz"] = (302, {"Location": "http://127.0.0.2:9/x.tar.gz"}, b"")
+    r = owner.post("/api/update/apply")
+    assert r.status_code == 502 and "not on update_url's origin" in r.json()["detail"]
+    assert snapshot(root) == before
+
+    # a feed past its size bound is an error, not a read into memory
+    release.files["/releases/latest.json"] = (200, {}, b" " * (updates.FEED_MAX_BYTES + 1))
+    assert "is over 64 KB" in owner.get("/api/update/check").json()["error"]
+
     # one update at a time: while one waits on its download, another and a rollback are 409s
     release.publish(NEW, bytes(tampered), sign(signer, good))
     release.gate = threading.Event()
