@@ -425,6 +425,14 @@ def test_without_update_url(localm_server: Any, tmp_path: Path) -> None:
     # update settings are the owner's: a config:write key neither sees nor sets them
     assert "update_url" not in s.client(writer).get("/v1/config").json()
     assert s.client(writer).patch("/v1/config", json={"update_url": "http://127.0.0.1:1"}).status_code == 403
+    # a token never travels over plain http to another machine: refused before any request
+    assert owner.patch("/v1/config", json={"update_url": "http://updates.invalid/localm",
+                                           "update_token": "secret-token"}).status_code == 200
+    assert "https only" in owner.get("/api/update/check").json()["error"]
+    r = owner.post("/api/update/apply")
+    assert r.status_code == 400 and r.json()["code"] == "update_not_configured"
+    assert owner.patch("/v1/config", json={"update_url": "ftp://updates.invalid/"}).status_code == 200
+    assert "http:// or https://" in owner.get("/api/update/check").json()["error"]
     assert not (data / "updates" / "backup").exists()
 
 
