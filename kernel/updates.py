@@ -721,6 +721,10 @@ class Updates:
                               code="update_no_asset")
         if release.klass == "deps":
             raise _needs_pip(release.version)
+        if not all(os.access(path, os.W_OK) for path in (root, *(root / name for name in FOLDERS))):
+            return {"applied": False, "current": current, "code": "update_not_writable",
+                    "error": f"This server's user cannot write the build in {root}: update it as the user who "
+                             "installed it"}
 
         work = self.folder / f"work-{os.getpid()}-{time.monotonic_ns()}"
         work.mkdir(parents=True)
