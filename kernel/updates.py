@@ -83,6 +83,7 @@ KEY_FILE_MAX_BYTES = 16 * 1024
 RECORD_MAX_BYTES = 64 * 1024
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 DOWNLOAD_DEADLINE = 30 * 60.0
+FEED_DEADLINE = 60.0
 MAX_REDIRECTS = 3
 CHUNK = 1024 * 1024
 
@@ -506,7 +507,7 @@ class Feed:
                         raise Unreachable(f"{what} answered HTTP {response.status_code}")
                     yield response
                     return
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
                 raise Unreachable(f"{what} could not be fetched: {_reason(exc)}") from exc
         raise Unreachable(f"{what} redirected more than {MAX_REDIRECTS} times")
 
@@ -564,11 +565,14 @@ class Feed:
 
 def _bounded_body(response: httpx.Response, limit: int, what: str) -> bytes:
     out = bytearray()
+    deadline = time.monotonic() + FEED_DEADLINE
     try:
         for chunk in response.iter_bytes():
             out += chunk
             if len(out) > limit:
                 raise Unreachable(f"{what} is over {limit // 1024} KB")
+            if time.monotonic() > deadline:
+                raise Unreachable(f"{what} took over {FEED_DEADLINE:.0f} s to read")
     except httpx.HTTPError as exc:
         raise Unreachable(f"{what} could not be read: {_reason(exc)}") from exc
     return bytes(out)

@@ -470,3 +470,15 @@ def test_a_swap_that_fails_midway_puts_the_old_files_back(tmp_path: Path) -> Non
     with pytest.raises(OSError):
         updates.replace_tree(root, source, list(updates.TREE))
     assert snapshot(root) == before
+
+
+def test_net_mode_is_read_whether_or_not_the_setting_is_declared(tmp_path: Path) -> None:
+    from localm.kernel.config import Config
+
+    config = Config(tmp_path)
+    assert updates.net_mode(config) == "on"  # unset (or not declared at all)
+    for value, read in (("off", "off"), ("ask", "ask"), ("on", "on"), ("of", "off"), (False, "off")):
+        (tmp_path / "config.json").write_text(json.dumps({"net_mode": value}))
+        assert updates.net_mode(config) == read, value
+    (tmp_path / "config.json").write_text("{not json")
+    assert updates.net_mode(config) == "on"  # unreadable: update_url reads as unset too, so no updater runs
