@@ -49,7 +49,7 @@ def build_tree(root: Path, version: str) -> None:
 
 def snapshot(root: Path) -> dict[str, Any]:
     """Every path under ``root`` with its bytes (a folder as "<dir>"): byte-identical or not."""
-    return {p.relative_to(root).as_posix(): "<dir>" if p.is_dir() else p.read_bytes()
+    return {p.relative_to(root).as_posix(): "<dir>" if p.is_dir() else "<fifo>" if p.is_fifo() else p.read_bytes()
             for p in sorted(root.rglob("*"))}
 
 
@@ -370,6 +370,15 @@ def test_refused_releases_change_nothing(localm_server: Any, tmp_path: Path, rel
         release.gate.set()
         worker.join(60)
     assert first[0].json()["code"] == "update_signature_invalid" and snapshot(root) == before
+    release.gate = None
+
+    # a good release whose backup cannot be made (the build holds a file that cannot be copied)
+    release.publish(NEW, good, sign(signer, good))
+    os.mkfifo(root / "plugins" / "pipe")
+    with_pipe = snapshot(root)
+    r = owner.post("/api/update/apply").json()
+    assert r["applied"] is False and "could not be backed up" in r["error"] and "nothing was changed" in r["error"]
+    assert snapshot(root) == with_pipe and not (setup.server.data_dir / "updates" / "backup").exists()
 
 
 def test_no_trusted_key_no_update(localm_server: Any, tmp_path: Path, release: ReleaseServer,
