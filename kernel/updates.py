@@ -865,7 +865,8 @@ class Updates:
             except Broken as exc:
                 log.error("rollback failed partway: %s", exc)
                 raise LocalmError(500, f"The rollback failed partway and the files could not all be put back "
-                                       f"({exc}); the backup is kept in {self.backup}", code="rollback_failed") from None
+                                       f"({exc}); the backup is kept in {self.backup}",
+                                  code="rollback_failed") from None
             except Exception as exc:
                 log.error("rollback failed: %s", exc)
                 raise LocalmError(500, f"The rollback failed ({_reason(exc)}); the build was left as it was and the "
