@@ -66,6 +66,16 @@ class KernelSettings:
                             description="Hugging Face access token sent (as a Bearer token) when pulling from the hub, "
                                         "for gated and private repositories; empty: the HF_TOKEN environment "
                                         "variable, if set")
+    update_url: str = setting("", owner_only=True,
+                              description="The release feed the update routes read ({update_url}/latest.json and "
+                                          "the asset it names, from that origin only); empty: no updater")
+    update_token: str = setting("", owner_only=True, secret=True,
+                                description="Bearer token sent to update_url (over https, or to this machine, only)")
+    update_allow_prerelease: bool = setting(False, owner_only=True,
+                                            description="Offer and apply prerelease versions")
+    update_ignore_net_policy: bool = setting(False, owner_only=True,
+                                             description="Let the update check and apply reach update_url even when "
+                                                         "net_mode is off")
 
 
 KERNEL_FIELDS: dict[str, FieldSpec] = {f.key: f for f in fields_of(KernelSettings)}

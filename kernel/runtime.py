@@ -31,6 +31,7 @@ from .metrics import Metrics
 from .plugins import PluginHost
 from .sessions import SessionStore
 from .storage import atomic_write_json, sweep_temporary
+from .updates import Updates
 
 log = logging.getLogger("localm")
 
@@ -50,6 +51,7 @@ class Kernel:
         self.keys = KeyStore(self.data_dir)
         self.sessions = SessionStore(self.data_dir, self.keys)
         self.jobs = Jobs()
+        self.updates = Updates(self.data_dir)
         self.engines: dict[str, tuple[str, Any]] = {}
         #: engine name → (the formats it serves, those it serves when no other engine does)
         self.engine_formats: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
