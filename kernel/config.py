@@ -92,9 +92,10 @@ READ_ONLY_EXTRAS = ("effective_mode", "effective_chat_mode", "effective_coder_mo
 
 INSTANCE_ID = secrets.token_hex(8)
 
-#: Settings kept in ``credentials.json`` (readable by this user alone) instead of config.json,
-#: and written after it: a change that fails leaves them as they were.
-CREDENTIAL_KEYS = ("hf_token",)
+#: The secret settings (hf_token, update_token, ...): kept in ``credentials.json`` (readable by
+#: this user alone) instead of config.json, and written after it, so a change that fails leaves
+#: them as they were.
+CREDENTIAL_KEYS = tuple(key for key, spec in KERNEL_FIELDS.items() if spec.secret)
 
 
 class Config:

@@ -2,7 +2,7 @@
 
 ```
 <data dir>/config.json        settings (only what differs from the defaults)
-<data dir>/credentials.json   the settings that are credentials (hf_token) (0600)
+<data dir>/credentials.json   the settings that are secrets (hf_token, update_token, ...) (0600)
 <data dir>/keys.json          scoped API keys, hashed (0600)
 <data dir>/owner_key.json     the owner key, hashed (0600)
 <data dir>/sessions.json      browser sessions, hashed (0600)
