@@ -116,6 +116,25 @@ class Generation:
     hold: Any = None
     #: what prime() read ahead: the items, and the generation they came from
     primed: tuple[list[Any], Any] | None = None
+    #: a streamed reply opened before its model loaded: the rest of its preparation (returns the
+    #: prepared generation), run by items() after a loading_model status
+    pending: Any = None
+
+    async def _prepared(self) -> AsyncIterator[pipeline.Status]:
+        """Finish a pending preparation (load the model, render and check the prompt): a
+        loading_model status first. A refusal now is raised from items(), where the surfaces
+        send it in band; headers it adds go to the last chunk (the stream's are sent)."""
+        prepare, self.pending = self.pending, None
+        yield pipeline.Status("loading_model", f"Loading {self.entry.id}")
+        state = self.chain.state
+        before = dict(state.headers)
+        ready = await prepare()
+        for name, value in state.headers.items():
+            if before.get(name) != value:
+                state.fields.setdefault("localm_headers", {})[name] = value
+        for name in ("entry", "prompt", "fingerprint", "plan", "common", "options", "messages", "reads", "hold",
+                     "primed"):
+            setattr(self, name, getattr(ready, name))
 
     @property
     def context(self) -> hooks.ChatContext:
@@ -227,6 +246,13 @@ class Generation:
             for status in chain.statuses():
                 for out in await sent(status):
                     yield out
+            if self.pending is not None:
+                async for status in self._prepared():
+                    for out in await sent(status):
+                        yield out
+                for status in chain.statuses():  # compacting, while it was prepared
+                    for out in await sent(status):
+                        yield out
             async with contextlib.aclosing(self._generated()) as generated:
                 async for item in generated:
                     for out in await sent(item):
@@ -556,17 +582,21 @@ class ChatService:
             headers["X-Localm-Context-Compacted"] = "1"
             return prompt, opened
 
-        try:
-            generation = await self._prepare(asked, found, common, options, render, headers, received, chain,
-                                             steering, fit=fit if compact else None, media=media_of(messages),
-                                             reroute=True)
-        except _Longer as longer:  # too long for the model: one trained for a longer window answers
-            chain.state.routing = longer.route
-            headers["X-Localm-Model-Routing"] = routing.header_value(longer.route.header)
-            generation = await self._prepare(asked, longer.route.entry, common, options, render, headers, received,
-                                             chain, steering, fit=fit if compact else None, media=media_of(messages))
-        generation.messages = compacted[0] if compacted else messages
-        return generation
+        async def prepare() -> Generation:
+            try:
+                generation = await self._prepare(asked, found, common, options, render, headers, received, chain,
+                                                 steering, fit=fit if compact else None, media=media_of(messages),
+                                                 reroute=True)
+            except _Longer as longer:  # too long for the model: one trained for a longer window answers
+                chain.state.routing = longer.route
+                headers["X-Localm-Model-Routing"] = routing.header_value(longer.route.header)
+                generation = await self._prepare(asked, longer.route.entry, common, options, render, headers,
+                                                 received, chain, steering, fit=fit if compact else None,
+                                                 media=media_of(messages))
+            generation.messages = compacted[0] if compacted else messages
+            return generation
+
+        return self._opening(asked, found, common, options, headers, received, chain, prepare) or await prepare()
 
     async def complete(self, body: ChatRequest | dict[str, Any], *, route: str = "completions", request: Any = None,
                        report: bool | None = None, ignored: list[str] | None = None,
@@ -598,8 +628,12 @@ class ChatService:
         def render(engine: Any) -> tuple[list[int], bool]:
             return engine.tokenize(prompt_text, add_special=options.add_special), False
 
-        return await self._prepare(_read(asked, common, options, found), found, common, options, render, headers,
-                                   received, chain, steering)
+        read = _read(asked, common, options, found)
+
+        async def prepare() -> Generation:
+            return await self._prepare(read, found, common, options, render, headers, received, chain, steering)
+
+        return self._opening(read, found, common, options, headers, received, chain, prepare) or await prepare()
 
     async def embed(self, model: str | None, texts: list[str]) -> tuple[Any, list[list[float]], int]:
         """The registry entry, one normalised vector per text, and the tokens they took. No
@@ -734,6 +768,23 @@ class ChatService:
         route = routing.choose(entry, self.host.models.registry.entries(), needs, pinned=False,
                                requested=common.model, loaded=self.host.models.resident)
         return route if route.routed else None
+
+    def _opening(self, asked: ChatRequest, found: Any, common: Common, options: Options, headers: dict[str, str],
+                 received: float, chain: hooks.Chain, prepare: Any) -> Generation | None:
+        """A streamed reply whose model is not loaded opens before it loads: a generation whose
+        items() send a loading_model status, then finish ``prepare`` (refusals from then on
+        travel in band). None when the request is prepared now: not streamed, a model already
+        loaded, one a routing decision may change, or a refusal that is still an HTTP status."""
+        if not common.stream or isinstance(found, sdk.LocalmError) or found.id in self.host.models.resident:
+            return None
+        if chain.state.routing is not None and chain.state.routing.routed:
+            return None
+        self.check_chat_model(found)  # refused before it loads, as an HTTP status
+        chain.state.answer_with(headers)
+        shown = common.model if common.model not in (None, "", "localm") else found.id
+        return Generation(host=self.host, entry=found, prompt=[], fingerprint="", plan=pipeline.Plan(),
+                          common=common, options=options, model=shown, received=received, chain=chain,
+                          request=asked, pending=prepare)
 
     async def _hold(self, entry: Any, chain: hooks.Chain) -> tuple[Any, Any]:
         """(the hold on the model that answers, its entry): a model routed to is loaded for this

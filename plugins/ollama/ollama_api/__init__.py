@@ -197,7 +197,10 @@ async def _answer(request: sdk.Request, host: Any, kind: str, asked: ChatRequest
                   name: str, keep: float | None, stream: bool, ignored: list[str], received: float) -> Any:
     chat = host.chat
     chat.check_chat_model(entry)  # an embedding model is refused, not loaded
-    load_s = await _ensure_loaded(host, entry)
+    # a streamed reply opens before its model loads (a loading_model status line first): the
+    # chat service loads it; otherwise it is loaded here, and its seconds are load_duration
+    opens_first = stream and entry.id not in host.models.resident
+    load_s = 0.0 if opens_first else await _ensure_loaded(host, entry)
     ready = time.perf_counter()
     asked.body["stream"] = stream
     try:
@@ -258,13 +261,22 @@ async def _answer(request: sdk.Request, host: Any, kind: str, asked: ChatRequest
                             headers=headers)
 
     async def lines() -> AsyncIterator[bytes]:
+        nonlocal load_s, ready
         finished = False
         calls = 0
+        loading: float | None = None
         try:
             error = None
             try:
                 async for item in gen.items():
-                    if isinstance(item, chat.Piece):
+                    if loading is not None and not isinstance(item, chat.Status):
+                        load_s, ready, loading = time.perf_counter() - loading, time.perf_counter(), None
+                    if isinstance(item, chat.Status):
+                        if item.code == "loading_model":
+                            loading = time.perf_counter()
+                        if item.code != "generating":  # a line of no text that says what happens
+                            yield _line({**frame(), "done": False, "status": item.code, "status_text": item.text})
+                    elif isinstance(item, chat.Piece):
                         if outcome.error is not None:
                             continue  # the engine's failure: sent as an error line below
                         if item.text or item.logprobs:
