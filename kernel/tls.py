@@ -12,8 +12,8 @@ The CA is made once and never replaced (clients trust it); the server certificat
 again at start-up when it is near its end, no longer names the address the server binds,
 or was not signed by the CA beside it. The owner's own pair is checked before anything
 listens: a missing or unreadable file, one that is not PEM, or a key that does not match
-the certificate stops the start with an error naming the setting, never a fall back to
-plain HTTP.
+the certificate stops the start with an error naming the setting and the path, never a
+fall back to plain HTTP.
 
 Only the standard library is imported here; ``cryptography`` is imported by the functions
 that make or read certificates, so a server without TLS never loads it.
@@ -26,10 +26,11 @@ import datetime
 import ipaddress
 import logging
 import os
+import re
 import socket
 import ssl
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator
 
 import attrs
 
@@ -44,28 +45,41 @@ CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.crt", "ca.key", "server.crt", "se
 SERVER_DAYS = 397
 #: ... and is made again at start-up once it has fewer days than this left.
 RENEW_DAYS = 30
-CA_YEARS = 10
+CA_DAYS = 3650
 #: The most a certificate or key file may hold: checked before it is read.
 MAX_PEM_BYTES = 1 << 20
 #: Bind addresses that name no one address: the certificate names loopback and this machine.
 WILDCARDS = ("0.0.0.0", "::", "")
 
+_PEM_CERT = re.compile(r"-----BEGIN CERTIFICATE-----[A-Za-z0-9+/=\s]+?-----END CERTIFICATE-----")
+
+
+class TlsError(LocalmError):
+    """HTTPS is on but cannot be served as configured: ``localm serve`` stops with this."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(500, detail, code="tls_invalid")
+
 
 @attrs.frozen
-class ServerTls:
-    """The pair ``localm serve`` serves, and what a local client trusts to reach it."""
+class Tls:
+    """The pair ``localm serve`` serves HTTPS with, and the file a local client trusts."""
 
-    certfile: Path
-    keyfile: Path
-    #: PEM a client of this server trusts: the local CA, or the owner's own leaf certificate
-    trust: str
-    #: True for the owner's own certificate: a local client trusts that one certificate
-    #: (it may not name 127.0.0.1) instead of a CA and a host name
+    cert: Path
+    key: Path
+    #: What a client on this machine trusts: localm's CA, or the owner's own certificate
+    trust: Path
+    #: True for the owner's own pair: a local client trusts exactly that certificate (it may
+    #: not name 127.0.0.1), where for localm's own it trusts the CA and checks the name
     own: bool = False
 
-    def server_json(self) -> dict[str, Any]:
+    def uvicorn_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``uvicorn.Config`` that serve this pair."""
+        return {"ssl_certfile": str(self.cert), "ssl_keyfile": str(self.key)}
+
+    def server_info(self) -> dict[str, Any]:
         """What ``server.json`` records under ``tls`` for the ``localm`` commands."""
-        return {"trust": self.trust, "pin": self.own}
+        return {"trust": str(self.trust), "own": self.own}
 
 
 def tls_dir(data_dir: Path) -> Path:
@@ -74,18 +88,22 @@ def tls_dir(data_dir: Path) -> Path:
 
 # --- what a client trusts ----------------------------------------------------------------
 
-def client_context(tls: Mapping[str, Any] | None) -> ssl.SSLContext | bool:
-    """The ``verify`` for an httpx client of a server whose ``server.json`` holds ``tls``:
-    True (the system's trust) for a plain-HTTP server; else a context trusting only what
-    the server serves: its local CA (the host name checked), or exactly its owner's own
-    certificate."""
-    if not tls or not isinstance(tls.get("trust"), str):
-        return True
-    ctx = ssl.create_default_context(cadata=tls["trust"])
-    if tls.get("pin"):
-        # this one certificate is the anchor: whoever presents it holds its key
-        ctx.check_hostname = False
-        ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+def client_context(trust: str | Path, *, own: bool = False) -> ssl.SSLContext:
+    """An SSL context for a client of this machine's server: trusting the CA in ``trust``
+    (the host name checked), or with ``own``, exactly the first certificate of ``trust``, the
+    one the server presents (whoever presents it holds its key; its names are not checked,
+    since the owner's certificate may not name 127.0.0.1). OSError or ssl.SSLError when the
+    file cannot be used."""
+    if not own:
+        return ssl.create_default_context(cafile=str(trust))
+    with open(trust, "rb") as fh:
+        text = fh.read(MAX_PEM_BYTES).decode("ascii", "replace")
+    leaf = _PEM_CERT.search(text)
+    if leaf is None:
+        raise ssl.SSLError(f"{trust} holds no PEM certificate")
+    ctx = ssl.create_default_context(cadata=leaf.group(0))
+    ctx.check_hostname = False
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the server's own certificate is the anchor
     return ctx
 
 
@@ -93,8 +111,8 @@ def client_context(tls: Mapping[str, Any] | None) -> ssl.SSLContext | bool:
 
 def wanted_names(bind_host: str) -> tuple[frozenset[str], frozenset[Any]]:
     """(DNS names, IP addresses) the server certificate must name: localhost, the loopback
-    addresses, host.docker.internal, this machine's name (and NAME.local), and the bind
-    address when it names one address or host."""
+    addresses, host.docker.internal (a container reaching this machine), this machine's name
+    (and NAME.local), and the bind address when it names one address or host."""
     names = {"localhost", "host.docker.internal"}
     addresses: set[Any] = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
     machine = socket.gethostname().strip().rstrip(".").lower()
@@ -110,11 +128,11 @@ def wanted_names(bind_host: str) -> tuple[frozenset[str], frozenset[Any]]:
     return frozenset(names), frozenset(addresses)
 
 
-# --- the local CA and the server certificate ------------------------------------------------
+# --- files ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    """One process at a time makes or checks the files of ``folder``."""
+    """One process at a time makes or checks the files of ``folder`` (0700)."""
     import filelock
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -124,24 +142,24 @@ def _locked(folder: Path) -> Iterator[None]:
         with filelock.FileLock(str(folder / "tls.lock"), timeout=30):
             yield
     except filelock.Timeout:
-        raise LocalmError(504, f"{folder} is locked by another process; try again", code="tls_locked") from None
+        raise TlsError(f"{folder} is locked by another process; try again") from None
 
 
-def _read_pem(path: Path, what: str) -> bytes:
-    """The bytes of ``path``, bounded before they are read; a LocalmError naming ``what``."""
+def _read(path: Path, what: str) -> bytes:
+    """The bytes of ``path``, its size bounded before it is read; TlsError naming ``what``
+    (a setting, or the file of localm's own)."""
     try:
         st = path.stat()
         if not path.is_file():
-            raise LocalmError(500, f"{what}: {path} is not a file", code="tls_invalid")
+            raise TlsError(f"{what} {path} is not a file")
         if st.st_size > MAX_PEM_BYTES:
-            raise LocalmError(500, f"{what}: {path} is larger than {MAX_PEM_BYTES} bytes: not a PEM file",
-                              code="tls_invalid")
+            raise TlsError(f"{what} {path} is larger than {MAX_PEM_BYTES} bytes: not a PEM file")
         with open(path, "rb") as fh:
-            return fh.read(MAX_PEM_BYTES + 1)[:MAX_PEM_BYTES]
+            return fh.read(MAX_PEM_BYTES)
     except FileNotFoundError:
-        raise LocalmError(500, f"{what}: {path} does not exist", code="tls_invalid") from None
+        raise TlsError(f"{what} {path}: no such file") from None
     except OSError as exc:
-        raise LocalmError(500, f"{what}: {path} cannot be read ({exc.strerror or exc})", code="tls_invalid") from None
+        raise TlsError(f"{what} {path} cannot be read ({exc.strerror or exc})") from None
 
 
 def _now() -> datetime.datetime:
@@ -173,6 +191,20 @@ def _spki(public_key: Any) -> bytes:
     return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
+def _load_key(data: bytes) -> Any:
+    """A PEM private key; ValueError when it is none, TypeError when it is encrypted."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        return serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise
+    except Exception as exc:  # an unsupported key type
+        raise ValueError(str(exc)) from None
+
+
+# --- localm's own CA and server certificate ------------------------------------------------
+
 def _make_ca() -> tuple[Any, Any]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
@@ -189,7 +221,7 @@ def _make_ca() -> tuple[Any, Any]:
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=365 * CA_YEARS))
+            .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
                                          data_encipherment=False, key_agreement=False, key_cert_sign=True,
@@ -231,79 +263,69 @@ def _make_server(ca_cert: Any, ca_key: Any, bind_host: str) -> tuple[Any, Any]:
     return cert, key
 
 
+def _damaged(folder: Path, why: str) -> TlsError:
+    return TlsError(f"The localm CA in {folder} is damaged: {why}. Clients trust it, so it is not replaced: restore "
+                    f"it, or remove {folder / CA_CERT} and {folder / CA_KEY} to make a new CA (clients must then "
+                    "trust the new one)")
+
+
 def _load_ca(folder: Path) -> tuple[Any, Any] | None:
-    """The local CA (certificate, key), or None when there is none yet. A CA certificate that
+    """localm's CA (certificate, key), or None when there is none yet. A CA certificate that
     is unreadable, expired or without its key stops here: clients trust it, so it is never
     replaced behind their back."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
 
     cert_path, key_path = folder / CA_CERT, folder / CA_KEY
     if not cert_path.exists():
-        return None  # a key without its certificate (a start killed between the two) is made again
-    remedy = f"restore it, or remove {cert_path} and {key_path} to make a new CA (clients must then trust the new one)"
+        return None  # a key without its certificate (a first run stopped between the two) is made again
     try:
-        cert = x509.load_pem_x509_certificate(_read_pem(cert_path, "the local CA"))
+        cert = x509.load_pem_x509_certificate(_read(cert_path, "the CA certificate"))
     except ValueError:
-        raise LocalmError(500, f"the local CA: {cert_path} is not a PEM certificate; {remedy}",
-                          code="tls_invalid") from None
-    if not key_path.exists():
-        raise LocalmError(500, f"the local CA: its key {key_path} is missing; {remedy}", code="tls_invalid")
+        raise _damaged(folder, f"{CA_CERT} is not a PEM certificate") from None
+    except TlsError as exc:
+        raise _damaged(folder, exc.detail) from None
     try:
-        key = serialization.load_pem_private_key(_read_pem(key_path, "the local CA"), password=None)
+        key = _load_key(_read(key_path, "the CA key"))
     except (ValueError, TypeError):
-        raise LocalmError(500, f"the local CA: {key_path} is not an unencrypted PEM private key; {remedy}",
-                          code="tls_invalid") from None
+        raise _damaged(folder, f"{CA_KEY} is not an unencrypted PEM private key") from None
+    except TlsError as exc:
+        raise _damaged(folder, exc.detail) from None
     if _spki(key.public_key()) != _spki(cert.public_key()):
-        raise LocalmError(500, f"the local CA: {key_path} does not match {cert_path}; {remedy}", code="tls_invalid")
+        raise _damaged(folder, f"{CA_KEY} is not the key of {CA_CERT}")
     if cert.not_valid_after_utc <= _now() + datetime.timedelta(days=1):
-        raise LocalmError(500, f"the local CA: {cert_path} has expired; remove {cert_path} and {key_path} to make "
-                               "a new CA (clients must then trust the new one)", code="tls_invalid")
+        raise _damaged(folder, f"{CA_CERT} ended on {cert.not_valid_after_utc:%Y-%m-%d}")
     return cert, key
 
 
 def _ensure_ca(folder: Path) -> tuple[Any, Any]:
-    """The local CA, made now when there is none (the caller holds the folder's lock)."""
+    """localm's CA, made now when there is none (the caller holds the folder's lock)."""
     found = _load_ca(folder)
     if found is not None:
         return found
     cert, key = _make_ca()
-    atomic_write_bytes(folder / CA_KEY, _key_pem(key), mode=0o600)  # the key first: a CA is whole once its cert is
+    atomic_write_bytes(folder / CA_KEY, _key_pem(key), mode=0o600)  # the key first: the CA is whole with its cert
     atomic_write_bytes(folder / CA_CERT, _cert_pem(cert), mode=0o644)
     log.info("made a local CA for HTTPS: %s (clients trust it; GET /localm-ca.crt serves it)", folder / CA_CERT)
     return cert, key
 
 
-def ca_pem(data_dir: Path, *, create: bool) -> bytes | None:
-    """The local CA's certificate as PEM (parsed and written out again: only a certificate
-    ever leaves), made now when ``create`` and there is none; None when there is none."""
-    folder = tls_dir(data_dir)
-    if not create and not (folder / CA_CERT).exists():
-        return None
-    with _locked(folder):
-        found = _ensure_ca(folder) if create else _load_ca(folder)
-    return None if found is None else _cert_pem(found[0])
-
-
-def _server_is_good(folder: Path, ca_cert: Any, bind_host: str) -> str | None:
+def _renew_reason(folder: Path, ca_cert: Any, bind_host: str) -> str | None:
     """None when the server certificate can be served as it is; else why it is made again."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
 
     try:
-        cert = x509.load_pem_x509_certificate(_read_pem(folder / SERVER_CERT, "the server certificate"))
-        key = serialization.load_pem_private_key(_read_pem(folder / SERVER_KEY, "the server certificate"),
-                                                 password=None)
-    except LocalmError as exc:
+        cert = x509.load_pem_x509_certificate(_read(folder / SERVER_CERT, "the server certificate"))
+        key = _load_key(_read(folder / SERVER_KEY, "the server key"))
+    except TlsError as exc:
         return exc.detail
     except (ValueError, TypeError):
         return "it is not a PEM certificate and key"
     if _spki(key.public_key()) != _spki(cert.public_key()):
-        return "its key does not match it"
+        return "its key is not the one beside it"
     try:
         cert.verify_directly_issued_by(ca_cert)
-    except (ValueError, TypeError, Exception):  # InvalidSignature is no ValueError
-        return "the local CA did not sign it"
+    except Exception:  # a wrong issuer (ValueError) or signature (InvalidSignature)
+        return "localm's CA did not sign it"
     if cert.not_valid_after_utc - _now() < datetime.timedelta(days=RENEW_DAYS):
         return f"it ends on {cert.not_valid_after_utc:%Y-%m-%d}"
     try:
@@ -313,89 +335,104 @@ def _server_is_good(folder: Path, ca_cert: Any, bind_host: str) -> str | None:
     names, addresses = wanted_names(bind_host)
     missing = sorted(names - {n.lower() for n in san.get_values_for_type(x509.DNSName)}) + sorted(
         str(a) for a in addresses - set(san.get_values_for_type(x509.IPAddress)))
-    if missing:
-        return f"it does not name {', '.join(missing)}"
-    return None
+    return f"it does not name {', '.join(missing)}" if missing else None
 
 
-def generated(data_dir: Path, bind_host: str) -> ServerTls:
-    """The local CA's server certificate for ``bind_host``, made (with the CA, the first
-    time) or made again as needed."""
+def localm_pair(data_dir: Path, bind_host: str) -> Tls:
+    """localm's own server certificate for ``bind_host``, signed by its CA: made (with the
+    CA, the first time) or made again as needed; TlsError for a damaged CA."""
     folder = tls_dir(data_dir)
     with _locked(folder):
         ca_cert, ca_key = _ensure_ca(folder)
-        why = _server_is_good(folder, ca_cert, bind_host)
+        why = _renew_reason(folder, ca_cert, bind_host)
         if why is not None:
             cert, key = _make_server(ca_cert, ca_key, bind_host)
             atomic_write_bytes(folder / SERVER_KEY, _key_pem(key), mode=0o600)
             atomic_write_bytes(folder / SERVER_CERT, _cert_pem(cert), mode=0o644)
-            if (folder / SERVER_CERT).exists():
-                log.info("made a server certificate for HTTPS (%s)", why if why.startswith("it ") else "new")
-    return ServerTls(folder / SERVER_CERT, folder / SERVER_KEY, _cert_pem(ca_cert).decode())
+            log.info("made a server certificate for HTTPS (%s)", why)
+    return Tls(cert=folder / SERVER_CERT, key=folder / SERVER_KEY, trust=folder / CA_CERT, own=False)
+
+
+def ca_pem(data_dir: Path) -> bytes | None:
+    """localm's CA certificate as PEM, None when there is none. It is parsed and written out
+    again, so only a certificate ever leaves; a damaged one is a 409."""
+    folder = tls_dir(data_dir)
+    path = folder / CA_CERT
+    if not path.exists():
+        return None
+    from cryptography import x509
+
+    try:
+        return _cert_pem(x509.load_pem_x509_certificate(_read(path, "the CA certificate")))
+    except (ValueError, TlsError):
+        raise LocalmError(409, f"The localm CA certificate ({CA_CERT}) cannot be read; the owner must fix or remove it",
+                          code="unreadable_file") from None
 
 
 # --- the owner's own pair ---------------------------------------------------------------------
 
-def own(cert_setting: str, key_setting: str) -> ServerTls:
+def own_pair(cert_setting: str, key_setting: str) -> Tls:
     """The owner's certificate (``tls_cert``: PEM, the server's first, any chain after it)
-    and key (``tls_key``: PEM, unencrypted), checked: a LocalmError naming the setting and
-    the path for anything that would stop a client from connecting."""
+    and key (``tls_key``: PEM, unencrypted), checked: TlsError naming the setting and the
+    path for anything that would keep a client out."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
 
     if not cert_setting or not key_setting:
         given, empty = ("tls_cert", "tls_key") if cert_setting else ("tls_key", "tls_cert")
-        raise LocalmError(500, f"{given} is set but {empty} is empty: set both (your own certificate and its key), "
-                               "or neither (localm's own)", code="tls_invalid")
-    paths = {}
-    for setting_name, value in (("tls_cert", cert_setting), ("tls_key", key_setting)):
+        raise TlsError(f"{given} is set but {empty} is empty: set both (your own certificate and its key), or "
+                       "neither (localm's own)")
+    paths: dict[str, Path] = {}
+    for name, value in (("tls_cert", cert_setting), ("tls_key", key_setting)):
         path = Path(value).expanduser()
         if not path.is_absolute():
-            raise LocalmError(500, f"tls_cert and tls_key must be absolute paths: {setting_name} is {value}",
-                              code="tls_invalid")
-        paths[setting_name] = path.resolve()
+            raise TlsError(f"{name} {value} is not an absolute path")
+        paths[name] = path
     cert_path, key_path = paths["tls_cert"], paths["tls_key"]
-    cert_data, key_data = _read_pem(cert_path, "tls_cert"), _read_pem(key_path, "tls_key")
+    cert_data, key_data = _read(cert_path, "tls_cert"), _read(key_path, "tls_key")
     try:
-        chain = x509.load_pem_x509_certificates(cert_data)
+        leaf = x509.load_pem_x509_certificates(cert_data)[0]
     except ValueError:
-        raise LocalmError(500, f"tls_cert: {cert_path} is not a PEM certificate", code="tls_invalid") from None
+        raise TlsError(f"tls_cert {cert_path} is not a PEM certificate") from None
     try:
-        key = serialization.load_pem_private_key(key_data, password=None)
+        key = _load_key(key_data)
     except TypeError:
-        raise LocalmError(500, f"tls_key: {key_path} is encrypted; localm needs the key without a passphrase",
-                          code="tls_invalid") from None
-    except (ValueError, Exception):  # an unsupported key type is no ValueError
-        raise LocalmError(500, f"tls_key: {key_path} is not a PEM private key", code="tls_invalid") from None
-    leaf = chain[0]
+        raise TlsError(f"tls_key {key_path} is encrypted: localm needs the key without a passphrase") from None
+    except ValueError:
+        raise TlsError(f"tls_key {key_path} is not a PEM private key") from None
     if _spki(key.public_key()) != _spki(leaf.public_key()):
-        raise LocalmError(500, f"tls_key: {key_path} does not match the certificate in tls_cert ({cert_path})",
-                          code="tls_invalid")
+        raise TlsError(f"tls_key {key_path} does not match the certificate in tls_cert {cert_path}")
     if leaf.not_valid_after_utc <= _now():
-        log.warning("tls_cert: %s ended on %s: clients will refuse it", cert_path, f"{leaf.not_valid_after_utc:%Y-%m-%d}")
-    return ServerTls(cert_path, key_path, _cert_pem(leaf).decode(), own=True)
+        log.warning("tls_cert %s ended on %s: clients will refuse it", cert_path,
+                    f"{leaf.not_valid_after_utc:%Y-%m-%d}")
+    return Tls(cert=cert_path, key=key_path, trust=cert_path, own=True)
 
 
 # --- the start ---------------------------------------------------------------------------------
 
-def for_server(data_dir: Path, setting: Callable[[str], Any], bind_host: str) -> ServerTls | None:
-    """What ``localm serve`` serves HTTPS with, read from the settings (``setting(key)``):
-    None while ``tls_enabled`` is off. Any problem is a LocalmError, never plain HTTP."""
-    if setting("tls_enabled") is not True:
+def setup_for(data_dir: Path, bind_host: str) -> Tls | None:
+    """What ``localm serve`` on ``data_dir`` serves HTTPS with, from its settings: None while
+    ``tls_enabled`` is off. Any problem is a TlsError, never plain HTTP instead."""
+    from .config import KERNEL_FIELDS, Config
+
+    try:
+        raw = Config(Path(data_dir)).raw()
+    except LocalmError:
+        raise TlsError("config.json cannot be read, so whether HTTPS (tls_enabled) is on is unknown: fix or "
+                       "remove it") from None
+
+    def value(key: str) -> Any:
+        return raw.get(key, KERNEL_FIELDS[key].default)
+
+    enabled = value("tls_enabled")
+    if enabled is not True and enabled is not False:
+        raise TlsError(f"tls_enabled in config.json must be true or false, not {str(enabled)[:40]!r}")
+    if not enabled:
         return None
     try:
         import cryptography  # noqa: F401
     except ImportError:
-        raise LocalmError(500, "tls_enabled needs the cryptography package: pip install 'cryptography>=42'",
-                          code="tls_invalid") from None
-    cert, key = str(setting("tls_cert") or "").strip(), str(setting("tls_key") or "").strip()
+        raise TlsError("tls_enabled needs the cryptography package: pip install 'cryptography>=42'") from None
+    cert, key = str(value("tls_cert") or "").strip(), str(value("tls_key") or "").strip()
     if cert or key:
-        return own(cert, key)
-    return generated(data_dir, bind_host)
-
-
-def uvicorn_options(tls: ServerTls | None) -> dict[str, Any]:
-    """The keyword arguments uvicorn.Config takes to serve ``tls`` (none for plain HTTP)."""
-    if tls is None:
-        return {}
-    return {"ssl_certfile": str(tls.certfile), "ssl_keyfile": str(tls.keyfile)}
+        return own_pair(cert, key)
+    return localm_pair(Path(data_dir), bind_host)
