@@ -166,6 +166,9 @@ def test_localm_commands_reach_their_https_server(keyed: tuple[LocalmServer, str
         assert r.returncode == 0 and "No localm server is running" not in r.stdout, r.stderr + r.stdout
     r = s.cli("config", "get", "tls_enabled")
     assert r.returncode == 0 and r.stdout.strip() == "true"
+    if HAS_LLAMA:  # `localm run` (the chat plugin's command) streams a reply over HTTPS too
+        r = s.cli("run", MODEL, "-p", "max_tokens", "4", "-p", "temperature", "0", "Say hi.", input="", process=True)
+        assert r.returncode == 0 and r.stdout.strip() and r.stderr == "", r.stderr
 
 
 # --- start-up refusals ----------------------------------------------------------------
