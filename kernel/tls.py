@@ -342,14 +342,17 @@ def localm_pair(data_dir: Path, bind_host: str) -> Tls:
     """localm's own server certificate for ``bind_host``, signed by its CA: made (with the
     CA, the first time) or made again as needed; TlsError for a damaged CA."""
     folder = tls_dir(data_dir)
-    with _locked(folder):
-        ca_cert, ca_key = _ensure_ca(folder)
-        why = _renew_reason(folder, ca_cert, bind_host)
-        if why is not None:
-            cert, key = _make_server(ca_cert, ca_key, bind_host)
-            atomic_write_bytes(folder / SERVER_KEY, _key_pem(key), mode=0o600)
-            atomic_write_bytes(folder / SERVER_CERT, _cert_pem(cert), mode=0o644)
-            log.info("made a server certificate for HTTPS (%s)", why)
+    try:
+        with _locked(folder):
+            ca_cert, ca_key = _ensure_ca(folder)
+            why = _renew_reason(folder, ca_cert, bind_host)
+            if why is not None:
+                cert, key = _make_server(ca_cert, ca_key, bind_host)
+                atomic_write_bytes(folder / SERVER_KEY, _key_pem(key), mode=0o600)
+                atomic_write_bytes(folder / SERVER_CERT, _cert_pem(cert), mode=0o644)
+                log.info("made a server certificate for HTTPS (%s)", why)
+    except OSError as exc:  # a data dir that cannot be written: the old files stay as they were
+        raise TlsError(f"HTTPS files in {folder} cannot be written ({exc.strerror or exc})") from None
     return Tls(cert=folder / SERVER_CERT, key=folder / SERVER_KEY, trust=folder / CA_CERT, own=False)
 
 

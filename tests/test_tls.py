@@ -88,6 +88,24 @@ def test_openai_sdk_trusting_the_fetched_ca(keyed: tuple[LocalmServer, str, str]
     assert reply.choices[0].message.content and reply.usage is not None and reply.usage.completion_tokens >= 1
 
 
+def test_the_documented_openai_client_runs(keyed: tuple[LocalmServer, str, str], tmp_path: Path) -> None:
+    """docs/serving.md's https_client.py, as written there, against this HTTPS server (its
+    documented address replaced by the server's own), beside the CA the server handed out."""
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    block = re.search(r'```python title="https_client.py"\n(.*?)\n```', page, re.S)
+    assert block is not None, "docs/serving.md has no https_client.py"
+    s, owner, _ = keyed
+    assert "https://127.0.0.1:8642/v1" in block.group(1)
+    (tmp_path / "https_client.py").write_text(block.group(1).replace("https://127.0.0.1:8642", s.url))
+    (tmp_path / "localm-ca.crt").write_bytes(s.client().get("/localm-ca.crt").content)
+    env = {**{k: v for k, v in os.environ.items() if k != "LOCALM_API_KEY"}, "LOCALM_KEY": owner}
+    out = subprocess.run([sys.executable, "https_client.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and MODEL in out.stdout, out.stderr
+
+
 def test_a_client_without_the_ca_is_refused(keyed: tuple[LocalmServer, str, str], tmp_path: Path) -> None:
     s, owner, _ = keyed
     client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=owner, max_retries=0)
