@@ -137,6 +137,14 @@ def test_ca_route_is_public_and_only_ever_a_certificate(keyed: tuple[LocalmServe
         assert b"PRIVATE KEY" not in got.content, path
 
 
+def test_the_session_cookie_is_secure_over_https(keyed: tuple[LocalmServer, str, str]) -> None:
+    s, owner, _ = keyed
+    r = s.client().post("/api/session", json={"key": owner})
+    assert r.status_code == 200
+    cookie = r.headers["set-cookie"].lower()
+    assert "localm_session=" in cookie and "; secure" in cookie and "httponly" in cookie
+
+
 def test_key_files_are_private_and_sans_name_this_machine(keyed: tuple[LocalmServer, str, str]) -> None:
     s, _, _ = keyed
     folder = s.data_dir / "tls"
