@@ -4,9 +4,10 @@
 ``server.json`` (mode 0600) holds ``pid``, ``host``, ``port``, ``url``, ``token`` (the
 server's attach token: the owner's credential from loopback), ``version``, ``started``
 (epoch seconds) and, when it serves HTTPS, ``tls``: ``{"trust": PATH, "own": BOOL}``, the
-file a client trusts (localm's CA, or the owner's own certificate) (:func:`verify_for`). A plugin's command gets a client with ``localm.sdk.connect()``, or with
+file a client trusts (localm's CA, or the owner's own certificate; see :func:`verify_for`).
+A plugin's command gets a client with ``localm.sdk.connect()``, or with
 ``localm.sdk.cli.ensure_server()``, which starts ``localm serve`` in the background when
-none runs.
+none runs; either one's ``verify`` is what an HTTP client of its own must verify with.
 """
 
 from __future__ import annotations

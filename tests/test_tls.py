@@ -76,8 +76,9 @@ def test_openai_sdk_trusting_the_fetched_ca(keyed: tuple[LocalmServer, str, str]
     assert fetched.status_code == 200
     ca_file = tmp_path / "localm-ca.crt"
     ca_file.write_bytes(fetched.content)
-    assert (x509.load_pem_x509_certificate(fetched.content).fingerprint(hashes.SHA256())
-            == x509.load_pem_x509_certificate((s.data_dir / "tls" / "ca.crt").read_bytes()).fingerprint(hashes.SHA256()))
+    on_disk = x509.load_pem_x509_certificate((s.data_dir / "tls" / "ca.crt").read_bytes())
+    assert x509.load_pem_x509_certificate(fetched.content).fingerprint(hashes.SHA256()) == on_disk.fingerprint(
+        hashes.SHA256())
     client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=owner, max_retries=0,
                            http_client=httpx.Client(verify=strict(ca_file), timeout=120))
     assert MODEL in [m.id for m in client.models.list()]
@@ -155,7 +156,8 @@ def test_key_files_are_private_and_sans_name_this_machine(keyed: tuple[LocalmSer
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     names = sans.get_values_for_type(x509.DNSName)
     assert "localhost" in names and socket.gethostname().lower() in names
-    assert {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")} <= set(sans.get_values_for_type(x509.IPAddress))
+    loopback = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+    assert loopback <= set(sans.get_values_for_type(x509.IPAddress))
     ca = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
     cert.verify_directly_issued_by(ca)
     # what the server presents is that certificate, verified by name against the CA
