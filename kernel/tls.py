@@ -313,6 +313,8 @@ def _renew_reason(folder: Path, ca_cert: Any, bind_host: str) -> str | None:
     """None when the server certificate can be served as it is; else why it is made again."""
     from cryptography import x509
 
+    if not (folder / SERVER_CERT).exists():
+        return "there was none"
     try:
         cert = x509.load_pem_x509_certificate(_read(folder / SERVER_CERT, "the server certificate"))
         key = _load_key(_read(folder / SERVER_KEY, "the server key"))
@@ -350,7 +352,7 @@ def localm_pair(data_dir: Path, bind_host: str) -> Tls:
                 cert, key = _make_server(ca_cert, ca_key, bind_host)
                 atomic_write_bytes(folder / SERVER_KEY, _key_pem(key), mode=0o600)
                 atomic_write_bytes(folder / SERVER_CERT, _cert_pem(cert), mode=0o644)
-                log.info("made a server certificate for HTTPS (%s)", why)
+                log.info("made a server certificate for HTTPS: %s (%s)", folder / SERVER_CERT, why)
     except OSError as exc:  # a data dir that cannot be written: the old files stay as they were
         raise TlsError(f"HTTPS files in {folder} cannot be written ({exc.strerror or exc})") from None
     return Tls(cert=folder / SERVER_CERT, key=folder / SERVER_KEY, trust=folder / CA_CERT, own=False)
