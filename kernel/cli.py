@@ -183,11 +183,14 @@ def serve(obj: Ctx, model: str | None, host: str | None, port: int | None, plugi
     except ValueError as exc:  # a hand-edited config.json
         fail(f"{exc} (check log_level and log_format in config.json)")
     only = [p.strip() for p in plugins_.split(",") if p.strip()] if plugins_ is not None else None
+    from .tls import TlsError
     try:
         run_server(data_dir=data, host=host or config.get("bind_host"), port=port if port is not None else
                    config.get("port"), only=only, model=model, log_level=level, loop=loop, http=http_)
     except KeyboardInterrupt:  # Ctrl+C after a clean shutdown
         pass
+    except TlsError as exc:  # HTTPS is on but cannot be served: never plain HTTP instead
+        fail(exc.detail)
 
 
 # --- plugin ------------------------------------------------------------------------

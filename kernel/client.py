@@ -2,10 +2,12 @@
 ``<data dir>/server.json``, checked live before use.
 
 ``server.json`` (mode 0600) holds ``pid``, ``host``, ``port``, ``url``, ``token`` (the
-server's attach token: the owner's credential from loopback), ``version`` and ``started``
-(epoch seconds). A plugin's command gets a client with ``localm.sdk.connect()``, or with
+server's attach token: the owner's credential from loopback), ``version``, ``started``
+(epoch seconds) and, when it serves HTTPS, ``tls``: ``{"trust": PATH, "own": BOOL}``, the
+file a client trusts (localm's CA, or the owner's own certificate; see :func:`verify_for`).
+A plugin's command gets a client with ``localm.sdk.connect()``, or with
 ``localm.sdk.cli.ensure_server()``, which starts ``localm serve`` in the background when
-none runs.
+none runs; either one's ``verify`` is what an HTTP client of its own must verify with.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -37,10 +40,28 @@ class ServerError(LocalmError):
         super().__init__(status, detail)
 
 
+def verify_for(info: dict[str, Any]) -> ssl.SSLContext | bool:
+    """What a client of the server ``server.json`` describes (``info``) verifies its HTTPS
+    with: an SSL context trusting that server's CA (or its owner's certificate), or True (the
+    system's trust, for a plain HTTP server). A ``tls`` entry it cannot use raises ValueError."""
+    tls = info.get("tls")
+    if tls is None:
+        return True
+    if not isinstance(tls, dict) or not isinstance(tls.get("trust"), str):
+        raise ValueError("server.json: tls must be an object with trust")
+    from .tls import client_context
+    try:
+        return client_context(tls["trust"], own=tls.get("own") is True)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"server.json: cannot trust {tls['trust']}: {exc}") from None
+
+
 class ServerClient:
-    def __init__(self, url: str, token: str) -> None:
+    def __init__(self, url: str, token: str, *, verify: ssl.SSLContext | bool = True) -> None:
         self.url = url
-        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=None)
+        self.verify = verify
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=None,
+                                 verify=verify)
 
     @classmethod
     def find(cls, data_dir: Path) -> "ServerClient | None":
@@ -48,7 +69,8 @@ class ServerClient:
         try:
             info = json.loads(server_file(data_dir).read_text())
             pid, url, token = int(info["pid"]), str(info["url"]), str(info["token"])
-        except (OSError, ValueError, KeyError, TypeError):
+            verify = verify_for(info)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         try:
             os.kill(pid, 0)
@@ -57,10 +79,10 @@ class ServerClient:
         except PermissionError:
             pass
         try:
-            httpx.get(f"{url}/health", timeout=3.0)
+            httpx.get(f"{url}/health", timeout=3.0, verify=verify)
         except httpx.HTTPError:
             return None
-        return cls(url, token)
+        return cls(url, token, verify=verify)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         """``method path`` with httpx's keyword arguments (``json=``, ``params=``...): the answer's

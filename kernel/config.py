@@ -62,6 +62,17 @@ class KernelSettings:
                                                  description="How many inference requests (generation, embeddings, "
                                                              "reranking, token counts) each key may start a minute "
                                                              "(a 429 with Retry-After past it; 0: no limit)")
+    tls_enabled: bool = setting(False, owner_only=True,
+                                description="Serve HTTPS instead of HTTP, on the same port (applies at the next "
+                                            "start): with tls_cert and tls_key, or with a certificate signed by a "
+                                            "local CA localm makes (clients trust GET /localm-ca.crt)")
+    tls_cert: str = setting("", owner_only=True,
+                            description="Your own certificate to serve HTTPS with: the absolute path of a PEM file "
+                                        "(the server's certificate first, its chain after it); empty: localm's own. "
+                                        "Needs tls_key (applies at the next start)")
+    tls_key: str = setting("", owner_only=True,
+                           description="The absolute path of tls_cert's private key (PEM, unencrypted); empty: "
+                                       "localm's own (applies at the next start)")
     hf_token: str = setting("", owner_only=True, secret=True,
                             description="Hugging Face access token sent (as a Bearer token) when pulling from the hub, "
                                         "for gated and private repositories; empty: the HF_TOKEN environment "

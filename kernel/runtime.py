@@ -12,7 +12,7 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from litestar import Router
 
@@ -33,14 +33,20 @@ from .sessions import SessionStore
 from .storage import atomic_write_json, sweep_temporary
 from .updates import Updates
 
+if TYPE_CHECKING:
+    from .tls import Tls
+
 log = logging.getLogger("localm")
 
 
 class Kernel:
     def __init__(self, data_dir: Path, *, bind_host: str = "127.0.0.1", port: int = 8642,
                  only: list[str] | None = None, model: str | None = None,
-                 builtin_dirs: list[Path] | None = None, store_dirs: list[Path] | None = None) -> None:
+                 builtin_dirs: list[Path] | None = None, store_dirs: list[Path] | None = None,
+                 tls: "Tls | None" = None) -> None:
         self.data_dir = Path(data_dir)
+        #: What the server serves HTTPS with (kernel/tls.py); None: plain HTTP.
+        self.tls = tls
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.bind_host = bind_host
         self.port = port
@@ -197,12 +203,23 @@ class Kernel:
         return 200, {"status": "ok", "model": model, "loaded": loaded}
 
     # --- the running server's file, for CLI commands -----------------------------------
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    def url(self, host: str, port: int) -> str:
+        """The address a client on this machine reaches the server at."""
+        return f"{self.scheme}://{_url_host(host)}:{port}"
+
     def write_server_file(self, host: str, port: int) -> None:
         self.port = port
-        atomic_write_json(server_file(self.data_dir), {
+        info: dict[str, Any] = {
             "pid": os.getpid(), "host": host, "port": port, "token": self.attach_token,
-            "url": f"http://{_url_host(host)}:{port}", "version": __version__, "started": self.started_at,
-        }, mode=0o600)
+            "url": self.url(host, port), "version": __version__, "started": self.started_at,
+        }
+        if self.tls is not None:
+            info["tls"] = self.tls.server_info()
+        atomic_write_json(server_file(self.data_dir), info, mode=0o600)
 
     def forget_server_file(self) -> None:
         path = server_file(self.data_dir)

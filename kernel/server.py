@@ -17,6 +17,7 @@ import uvicorn
 
 from . import logs
 from .runtime import Kernel
+from .tls import setup_for as setup_tls
 
 log = logging.getLogger("localm")
 
@@ -75,7 +76,7 @@ SWITCH_INTERVAL = 0.0005
 
 def serving_line(kernel: Kernel, host: str, port: int, loop: str, http: str, *, restarted: bool = False) -> str:
     """The line a server announces once it answers: its address, data dir, plugins, loop and parser."""
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+    url = kernel.url(host, port)
     active = [p.name for p in kernel.plugins.plugins.values() if p.active]
     return (f"localm {'restarted' if restarted else 'serving'} on {url} "
             f"(data: {kernel.data_dir}; plugins: {', '.join(sorted(active)) or 'none'}; {loop}, {http})")
@@ -88,6 +89,7 @@ def _stopped(signum: int, frame: object) -> None:
 def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model: str | None,
           log_level: str = "info", loop: str = "auto", http: str = "auto") -> None:
     loop, http = pick("loop", loop), pick("http", http)
+    tls = setup_tls(data_dir, host)  # before binding: a refusal leaves nothing listening
     restart_port = os.environ.pop("LOCALM_RESTART_PORT", None)
     if restart_port:
         sock = bind_socket(host, int(restart_port), bump=False, wait=10.0)
@@ -96,9 +98,10 @@ def serve(*, data_dir: Path, host: str, port: int, only: list[str] | None, model
     actual = sock.getsockname()[1]
     if port not in (0, actual) and not restart_port:
         logs.announce(f"localm: port {port} is busy; serving on {actual} instead")
-    kernel = Kernel(data_dir, bind_host=host, port=actual, only=only, model=model)
+    kernel = Kernel(data_dir, bind_host=host, port=actual, only=only, model=model, tls=tls)
     config = uvicorn.Config(kernel.asgi, lifespan="on", log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5, log_config=None, server_header=False, loop=loop, http=http)
+                            timeout_graceful_shutdown=5, log_config=None, server_header=False, loop=loop, http=http,
+                            **(tls.uvicorn_options() if tls is not None else {}))
     server = uvicorn.Server(config)
     restart = [False]
 

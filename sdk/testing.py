@@ -69,6 +69,8 @@ class LocalmServer:
         self.url = ""
         self.port = 0
         self.token = ""
+        #: What a client verifies this server's HTTPS with (the data dir's CA), or True for HTTP.
+        self.verify: Any = True
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}-server.log"
 
     # --- lifecycle -----------------------------------------------------------------
@@ -90,7 +92,7 @@ class LocalmServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.process:
             self._thread = _InProcess(self)
-            self.url, self.port, self.token = self._thread.start()
+            self._thread.start()
             return self
         env = {**os.environ, **self.env}
         if "LOCALM_API_KEY" not in self.env:  # a developer's own key must not leak into a test server
@@ -113,14 +115,18 @@ class LocalmServer:
                 info = None
             if info and info.get("pid") == pid:
                 try:
-                    httpx.get(f"{info['url']}/health", timeout=2)
+                    httpx.get(f"{info['url']}/health", timeout=2, verify=_verify(info))
                 except httpx.HTTPError:
                     pass
                 else:
-                    self.url, self.port, self.token = info["url"], info["port"], info["token"]
+                    self._found(info)
                     return
             time.sleep(0.05)
         raise RuntimeError(f"localm serve did not become ready in {timeout}s:\n{self.log()}")
+
+    def _found(self, info: dict[str, Any]) -> None:
+        """Take the address, scheme, trust and attach token from the server's server.json."""
+        self.url, self.port, self.token, self.verify = info["url"], info["port"], info["token"], _verify(info)
 
     @property
     def pid(self) -> int:
@@ -156,6 +162,7 @@ class LocalmServer:
             headers["Authorization"] = f"Bearer {key}"
         elif attach:
             headers["Authorization"] = f"Bearer {self.token}"
+        kwargs.setdefault("verify", self.verify)
         return httpx.Client(base_url=self.url, headers=headers, timeout=kwargs.pop("timeout", 60), **kwargs)
 
     def owner(self) -> httpx.Client:
@@ -228,13 +235,14 @@ class _InProcess:
         if not self.ready.wait(timeout) or self.failed is not None:
             raise RuntimeError(f"the in-process server did not start: {self.failed!r}\n{self.server.log()}")
         self.ready.clear()
-        return self.url, self.port, self.token
+        return self.server.url, self.port, self.server.token
 
     def _run(self) -> None:
         import uvicorn
 
         from localm.kernel.runtime import Kernel
         from localm.kernel.server import pick, serving_line
+        from localm.kernel.tls import setup_for
 
         s = self.server
         stores = _store_roots(s.env)
@@ -242,11 +250,12 @@ class _InProcess:
         restarted = False
         try:
             while True:
+                tls = setup_for(s.data_dir, s.host)  # as localm serve does: HTTPS when tls_enabled is on
                 kernel = Kernel(s.data_dir, bind_host=s.host, port=self.port, only=s.plugins, model=s.model,
-                                store_dirs=stores)
+                                store_dirs=stores, tls=tls)
                 config = uvicorn.Config(kernel.asgi, lifespan="on", log_level="warning", access_log=False,
                                         timeout_graceful_shutdown=5, log_config=None, server_header=False,
-                                        loop=loop, http=http)
+                                        loop=loop, http=http, **(tls.uvicorn_options() if tls else {}))
                 self.running = uvicorn.Server(config)  # on a thread that is not main: no signal handlers
                 restart = [False]
 
@@ -259,8 +268,7 @@ class _InProcess:
                     line = serving_line(kernel, s.host, self.port, loop, http, restarted=restarted)
                     with open(s.log_path, "a", encoding="utf-8") as log:  # as localm serve prints it
                         log.write(line + "\n")
-                    info = json.loads((s.data_dir / "server.json").read_text())
-                    self.url, self.token = info["url"], info["token"]
+                    s._found(json.loads((s.data_dir / "server.json").read_text()))
                     self.ready.set()
 
                 kernel.exit_handler = exit_handler
@@ -285,6 +293,13 @@ class _InProcess:
         for name in ("localm", "uvicorn"):
             logging.getLogger(name).removeHandler(self.handler)
         self.handler.close()
+
+
+def _verify(info: dict[str, Any]) -> Any:
+    """What a client of the server ``server.json`` (``info``) describes verifies HTTPS with."""
+    from localm.kernel.client import verify_for
+
+    return verify_for(info)
 
 
 def _cli_in_process(cmd: list[str], input: str | None, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -373,7 +388,8 @@ def sse_events(server: LocalmServer, path: str, body: dict[str, Any]) -> Iterato
     """POST ``body`` to ``path`` on ``server`` and yield each server-sent event's JSON, until
     ``data: [DONE]`` or the end of the stream. It sends no credential (an open server); for a
     keyed one, stream with ``server.client(key)``."""
-    with httpx.Client(base_url=server.url, timeout=120) as http, http.stream("POST", path, json=body) as r:
+    with httpx.Client(base_url=server.url, timeout=120, verify=server.verify) as http, \
+            http.stream("POST", path, json=body) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line == "data: [DONE]":

@@ -6,11 +6,10 @@ from typing import Any
 
 
 def kernel_routes(*, metrics: bool) -> list[Any]:
-    from . import config, health, jobs, keys, models, plugins, server, session, updates
+    from . import config, health, jobs, keys, models, plugins, server, session, tls, updates
 
     out: list[Any] = [*health.ROUTES, *config.ROUTES, *plugins.ROUTES, *keys.ROUTES, *session.ROUTES,
-                      *jobs.ROUTES, *server.ROUTES, *models.ROUTES,
-                      *updates.ROUTES]
+                      *jobs.ROUTES, *server.ROUTES, *models.ROUTES, *tls.ROUTES, *updates.ROUTES]
     if metrics:
         out.extend(server.METRICS_ROUTES)
     return out

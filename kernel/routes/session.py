@@ -15,8 +15,15 @@ from ..routing import get, post
 from .common import json_body, kernel_of, principal_of
 
 
-def _session_cookie(value: str, *, max_age: int) -> Cookie:
-    return Cookie(key=COOKIE, value=value, path="/", httponly=True, samesite="strict", max_age=max_age)
+def _session_cookie(value: str, *, max_age: int, secure: bool = False) -> Cookie:
+    """The session cookie; ``secure`` (a request that came over HTTPS) keeps a browser from
+    ever sending it over plain HTTP, to this host on any port."""
+    return Cookie(key=COOKIE, value=value, path="/", httponly=True, samesite="strict", max_age=max_age,
+                  secure=secure)
+
+
+def _https(request: Request) -> bool:
+    return request.scope.get("scheme") == "https"
 
 
 @get("/api/session", access="session", summary="Whether this caller is signed in, and whether a key is required")
@@ -62,7 +69,7 @@ async def sign_in(request: Request) -> Response:
         raise LocalmError(401, "Invalid API key")
     sid, csrf = k.sessions.create(principal)
     response = Response({"authed": True, "scopes": sorted(principal.scopes), "csrf": csrf})
-    response.set_cookie(_session_cookie(sid, max_age=SESSION_TTL))
+    response.set_cookie(_session_cookie(sid, max_age=SESSION_TTL, secure=_https(request)))
     return response
 
 
@@ -81,7 +88,7 @@ async def sign_out(request: Request) -> Response:
             except (OSError, LocalmError):
                 warnings.append("this session's server-side record (it could not be removed)")
     response = Response({"authed": False, "warnings": warnings})
-    response.set_cookie(_session_cookie("", max_age=0))
+    response.set_cookie(_session_cookie("", max_age=0, secure=_https(request)))
     return response
 
 

@@ -91,10 +91,11 @@ class Connection:
     def __init__(self, server: ServerClient, key: str | None) -> None:
         self.url = server.url
         self.auth = f"Bearer {key}" if key else str(server.http.headers["Authorization"])
+        self.verify = server.verify  # an HTTPS server: what its own clients trust (its CA)
         self.http = self._client()
 
     def _client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": self.auth},
+        return httpx.Client(base_url=self.url, headers={"Authorization": self.auth}, verify=self.verify,
                             timeout=httpx.Timeout(None, connect=10.0))
 
     def reset(self) -> None:
