@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from litestar import Router
 
-from . import __version__
+from . import __version__, logs
 from .app import KernelASGI, build_litestar, host_name, route_pairs
 from .auth import KERNEL_SCOPES, KeyStore
 from .config import Config
@@ -41,6 +41,7 @@ class Kernel:
                  builtin_dirs: list[Path] | None = None, store_dirs: list[Path] | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        logs.keep_recent()  # the log lines a bug report may include
         self.bind_host = bind_host
         self.port = port
         machine = socket.gethostname().lower().rstrip(".")

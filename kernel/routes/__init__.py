@@ -6,10 +6,10 @@ from typing import Any
 
 
 def kernel_routes(*, metrics: bool) -> list[Any]:
-    from . import config, health, jobs, keys, models, plugins, server, session
+    from . import config, diagnostics, health, jobs, keys, models, plugins, server, session
 
     out: list[Any] = [*health.ROUTES, *config.ROUTES, *plugins.ROUTES, *keys.ROUTES, *session.ROUTES,
-                      *jobs.ROUTES, *server.ROUTES, *models.ROUTES]
+                      *jobs.ROUTES, *server.ROUTES, *models.ROUTES, *diagnostics.ROUTES]
     if metrics:
         out.extend(server.METRICS_ROUTES)
     return out
