@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from litestar import Request
-from litestar.params import Parameter
+from litestar.params import QueryParameter
 
 from .. import bugproxy, bugreport, changelog, netpolicy
 from ..errors import LocalmError
@@ -44,12 +44,12 @@ def read_changelog(request: Request) -> dict[str, Any]:
     return changelog.read()
 
 
-@get("/api/issues", scope="config:read", summary="The project's issues, through the bug-report proxy",
-     params={"state": {"enum": list(STATES)}})
+@get("/api/issues", scope="config:read", summary="The project's issues, through the bug-report proxy")
 async def list_issues(request: Request,
-                      issue_state: str | None = Parameter(query="state", default=None, required=False,
-                                                          description="open, closed or all (the default; "
-                                                                      "any other value reads as all)")) -> dict[str, Any]:
+                      issue_state: str | None = QueryParameter(name="state", default=None, required=False,
+                                                               description="open, closed or all (the default; "
+                                                                           "any other value reads as all)")
+                      ) -> dict[str, Any]:
     k = kernel_of(request)
     state = issue_state if issue_state in STATES else "all"
     ep = bugproxy.endpoint(k.config)
