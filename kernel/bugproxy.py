@@ -84,7 +84,8 @@ def _check_url(url: str) -> None:
 async def _exchange(ep: Endpoint, method: str, path: str, **kwargs: Any) -> tuple[int, dict[str, str], bytes]:
     """One request to the proxy: (status, headers, body) with the body capped."""
     _check_url(ep.url)
-    headers = {"Accept": "application/json", "User-Agent": "localm"}
+    # identity: the answer's size is bounded as it arrives, never a compressed one decoded later
+    headers = {"Accept": "application/json", "Accept-Encoding": "identity", "User-Agent": "localm"}
     if ep.token:
         headers["Authorization"] = f"Bearer {ep.token}"
 
@@ -151,7 +152,7 @@ async def list_issues(ep: Endpoint, state: str) -> list[dict[str, Any]]:
         raise ProxyError("proxy", f"The bug-report proxy answered {status}", status=status)
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply to parse
         raise ProxyError("proxy", "The bug-report proxy's answer is not JSON") from None
     if not isinstance(value, list):
         raise ProxyError("proxy", "The bug-report proxy's answer is not a list of issues")
@@ -182,7 +183,7 @@ async def file_issue(ep: Endpoint, title: str, body: str) -> str | None:
         raise ProxyError("proxy", f"The bug-report proxy answered {status}", status=status)
     try:
         value = json.loads(answer) if answer.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         value = {}
     url = value.get("url") if isinstance(value, dict) else None
     return _text(url) if isinstance(url, str) else None

@@ -31,7 +31,7 @@ from .storage import atomic_write_bytes
 
 FOLDER = "reports"
 #: A saved report's file name: ``bug-<UTC stamp>-<6 hex digits>.md``; no other name is read.
-NAME = re.compile(r"bug-\d{8}T\d{6}Z-[0-9a-f]{6}\.md")
+NAME = re.compile(r"bug-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}\.md")  # ASCII digits only: \d takes any script's
 TEXT_FIELDS = ("description", "message", "what_i_expected", "what_happened")
 FIELDS = (*TEXT_FIELDS, "include_log", "client")
 #: Characters a text field may hold.
@@ -296,6 +296,8 @@ def save(data_dir: Path, text: str, *, keep: int) -> Path:
     where = folder(data_dir)
     where.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = where / new_name()
+    while path.exists():  # two reports in one second: another random suffix
+        path = where / new_name()
     atomic_write_bytes(path, text.encode("utf-8"), mode=0o600)
     try:
         saved = sorted(name for name in os.listdir(where) if NAME.fullmatch(name))
