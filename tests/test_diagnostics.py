@@ -511,3 +511,21 @@ def test_retry_after_reads_seconds_and_dates() -> None:
     assert bugproxy.retry_after(None) == bugproxy.DEFAULT_RETRY_AFTER
     assert bugproxy.retry_after("soon") == bugproxy.DEFAULT_RETRY_AFTER
     assert bugproxy.retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0
+
+
+def test_a_save_that_takes_too_long_is_a_504(keyed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    s, keys = keyed
+    if s.process:
+        pytest.skip("the time limit is changed in this process only")
+    from localm.kernel.routes import diagnostics
+    monkeypatch.setattr(diagnostics, "SAVE_TIMEOUT", 0)
+    r = s.client(keys["writer"]).post("/api/bug-report", json={"description": "x"})
+    assert r.status_code == 504 and r.json()["code"] == "save_timeout" and "saved" not in r.json()
+
+
+def test_a_repeated_state_is_not_an_error(keyed: Any, proxy: Proxy) -> None:
+    s, keys = keyed
+    use_proxy(s, proxy)
+    r = s.client(keys["reader"]).get("/api/issues?state=open&state=closed")
+    assert r.status_code == 200 and r.json()["state"] == "closed", r.text  # the last one
+    assert proxy.requests[-1]["path"] == "/issues?state=closed"

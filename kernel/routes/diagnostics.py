@@ -126,7 +126,7 @@ async def create_bug_report(request: Request) -> dict[str, Any]:
       summary="File a saved, reviewed bug report through the bug-report proxy",
       body={"type": "object", "title": "BugReportSend", "required": ["filename", "sha256"],
             "additionalProperties": False,
-            "properties": {"filename": {"type": "string", "pattern": bugreport.NAME.pattern},
+            "properties": {"filename": {"type": "string", "pattern": f"^{bugreport.NAME.pattern}$"},
                            "sha256": {"type": "string", "pattern": "^[0-9a-fA-F]{64}$",
                                       "description": "report_sha256, as POST /api/bug-report returned it"}}},
       errors={400: "No sha256, a filename that is not a saved report's bare name, or an unknown field",
