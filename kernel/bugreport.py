@@ -279,7 +279,12 @@ def build(k: Any, req: ReportRequest, *, now: float | None = None) -> str:
         fence = _fence(body)
         parts.append(f"## Server log (last {len(lines)} lines)\n\n{fence}text\n{body}\n{fence}\n")
     text = "\n".join(parts)
-    return scrubber(k)(text) + CLOSING_NOTE
+    return _utf8(scrubber(k)(text)) + CLOSING_NOTE
+
+
+def _utf8(text: str) -> str:
+    """``text`` as UTF-8 can hold it: a lone surrogate (JSON lets a string carry one) reads ``?``."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def folder(data_dir: Path) -> Path:

@@ -337,6 +337,14 @@ def test_a_report_is_saved_for_review_with_its_digest(keyed: Any) -> None:
     assert "## Server log" not in text and out["maintainer"] is False
 
 
+def test_text_unicode_cannot_hold_is_replaced_not_a_500(keyed: Any) -> None:
+    s, keys = keyed
+    r = s.client(keys["writer"]).post("/api/bug-report", content=b'{"description": "lone \\ud800 half", '
+                                      b'"client": {"name": "\\udfff"}}')
+    assert r.status_code == 200, r.text
+    assert "## Description\n\nlone ? half\n" in r.json()["report_markdown"]
+
+
 def test_the_log_is_included_when_asked_and_capped(keyed: Any) -> None:
     s, keys = keyed
     owner = s.owner()
