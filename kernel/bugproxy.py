@@ -121,7 +121,7 @@ def _text(value: Any) -> str | None:
     text = value if isinstance(value, str) else str(value) if isinstance(value, (int, float)) else None
     if text is None:
         return None
-    text = "".join(c if c.isprintable() else " " for c in text)
+    text = "".join(c if c.isprintable() else " " for c in text)  # a lone surrogate is not printable either
     return text[:MAX_FIELD_CHARS]
 
 

@@ -231,6 +231,10 @@ def test_issues_come_through_the_proxy_bounded_and_reduced(keyed: Any, proxy: Pr
         assert reader.get("/api/issues", params={"state": fallback}).json()["state"] == "all"
         assert proxy.requests[-1]["path"] == "/issues?state=all"
     assert reader.get("/api/issues").json()["state"] == "all"
+    # text JSON may carry but an answer cannot (a lone surrogate), and control characters
+    proxy.issues = b'[{"number": 1, "title": "half \\ud800 a pair\\u0000\\n", "url": "\\udfff"}]'
+    r = reader.get("/api/issues")
+    assert r.status_code == 200 and r.json()["issues"][0]["title"] == "half   a pair  ", r.text
 
 
 @pytest.mark.parametrize("mode, says", [("500", "answered 500"), ("big", "is over"), ("deep", "is not JSON"),
