@@ -388,7 +388,8 @@ def test_a_key_that_is_not_the_owner_sees_scrubbed_paths(keyed: Any) -> None:
 def test_secrets_never_reach_a_saved_report(keyed: Any, proxy: Proxy) -> None:
     s, keys = keyed
     hf_token = "hf_" + "A1b2C3d4E5f6G7h8I9j0K1l2"
-    use_proxy(s, proxy, hf_token=hf_token)
+    use_proxy(s, proxy, hf_token=hf_token, cors_origins=["http://owner-only.example"],
+              allowed_hosts=["owner-only-host.example"])
     writer = s.client(keys["writer"])
     # the access log writes a request's path: put the scoped key and the token in one
     writer.get(f"/v1/nothing/{keys['writer']}/{hf_token}")
@@ -398,7 +399,8 @@ def test_secrets_never_reach_a_saved_report(keyed: Any, proxy: Proxy) -> None:
     text = (s.data_dir / "reports" / out["filename"]).read_text()
     assert "/v1/nothing/" in text  # the log lines are there, scrubbed
     for secret in (keys["writer"], keys["owner"], keys["reader"], hf_token, UPLOAD_TOKEN, s.token, proxy.url,
-                   str(s.data_dir)):
+                   str(s.data_dir), "owner-only.example", "owner-only-host.example", "bugreport_upload",
+                   "cors_origins", "hf_token"):
         assert secret not in text, secret
         assert secret not in out["report_markdown"]
     assert "<redacted>" in text
