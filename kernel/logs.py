@@ -6,6 +6,9 @@ by :class:`KernelASGI <localm.kernel.app.KernelASGI>`: method, path (never the q
 string), status, duration, the caller's key id, and what the handlers added with
 :func:`annotate` (the model, the tokens in, read from cache and out, the error code). Request bodies and
 headers are never logged.
+
+The last lines of the log are also kept in memory (:func:`keep_recent`), for the bug
+reports that ask to include them (``POST /api/bug-report`` with ``include_log``).
 """
 
 from __future__ import annotations
