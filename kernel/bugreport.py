@@ -12,6 +12,7 @@ is written ``<data>`` and the home directory ``~``.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
@@ -30,8 +31,10 @@ from .errors import LocalmError
 from .storage import atomic_write_bytes
 
 FOLDER = "reports"
-#: A saved report's file name: ``bug-<UTC stamp>-<6 hex digits>.md``; no other name is read.
-NAME = re.compile(r"bug-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}\.md")  # ASCII digits only: \d takes any script's
+#: A saved report's file name: ``bug-<UTC time to the microsecond>-<6 hex digits>.md``, so that
+#: names sort in the order the reports were written; no other name is read. (ASCII digits only:
+#: ``\d`` takes any script's.)
+NAME = re.compile(r"bug-[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{6}\.md")
 TEXT_FIELDS = ("description", "message", "what_i_expected", "what_happened")
 FIELDS = (*TEXT_FIELDS, "include_log", "client")
 #: Characters a text field may hold.
@@ -240,8 +243,6 @@ def _settings(k: Any) -> dict[str, Any]:
 
 def build(k: Any, req: ReportRequest, *, now: float | None = None) -> str:
     """The report's Markdown, scrubbed."""
-    import json
-
     moment = time.gmtime(now if now is not None else time.time())
     summary = _one_line((req.description or req.what_happened).split("\n", 1)[0], TITLE_CHARS) or "a problem"
     parts = [f"# Bug report: {summary}\n"]
@@ -292,12 +293,15 @@ def folder(data_dir: Path) -> Path:
 
 
 def new_name(now: float | None = None) -> str:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now if now is not None else time.time()))
+    moment = now if now is not None else time.time()
+    micro = min(int((moment % 1) * 1_000_000), 999_999)  # floored: a name never sorts before an older one
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(int(moment))) + f".{micro:06d}Z"
     return f"bug-{stamp}-{secrets.token_hex(3)}.md"
 
 
 def save(data_dir: Path, text: str, *, keep: int) -> Path:
-    """Write the report atomically (mode 0600) and remove the oldest beyond ``keep``."""
+    """Write the report atomically (mode 0600) and remove the oldest beyond ``keep`` (by name:
+    the names sort by the time they were written)."""
     where = folder(data_dir)
     where.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = where / new_name()

@@ -315,7 +315,7 @@ def test_a_bug_report_needs_config_write(keyed: Any) -> None:
     for key in ("reader", "other"):
         r = s.client(keys[key]).post("/api/bug-report", json={"description": "x"})
         assert r.status_code == 403 and "config:write" in r.json()["detail"]
-        r = s.client(keys[key]).post("/api/bug-report/send", json={"filename": "bug-20260101T000000Z-abcdef.md",
+        r = s.client(keys[key]).post("/api/bug-report/send", json={"filename": "bug-20260101T000000.000000Z-abcdef.md",
                                                                     "sha256": "0" * 64})
         assert r.status_code == 403
     assert s.client().post("/api/bug-report", json={"description": "x"}).status_code == 401
@@ -435,11 +435,11 @@ def test_a_reviewed_report_is_filed_as_it_was_shown(keyed: Any, proxy: Proxy) ->
 
 
 @pytest.mark.parametrize("filename", [
-    "../config.json", "bug-20260101T000000Z-abcdef.md/../../config.json", "/etc/passwd",
-    "reports/bug-20260101T000000Z-abcdef.md", "bug-20260101T000000Z-abcdef.md\n", "bug-x.md",
-    "bug-20260101T000000Z-ABCDEF.md", "bug-20260101T000000Z-abcdef.md\x00.txt", "..%2Fconfig.json",
-    "bug-20260101T000000Z-abcdef.json", "bug-\u0662\u0660\u0662\u0666\u0660\u0661\u0660\u0661T000000Z-abcdef.md",
-    "", 5, None, ["bug-20260101T000000Z-abcdef.md"]])
+    "../config.json", "bug-20260101T000000.000000Z-abcdef.md/../../config.json", "/etc/passwd",
+    "reports/bug-20260101T000000.000000Z-abcdef.md", "bug-20260101T000000.000000Z-abcdef.md\n", "bug-x.md",
+    "bug-20260101T000000.000000Z-ABCDEF.md", "bug-20260101T000000.000000Z-abcdef.md\x00.txt", "..%2Fconfig.json",
+    "bug-20260101T000000.000000Z-abcdef.json", "bug-\u0662\u0660\u0662\u0666\u0660\u0661\u0660\u0661T000000.000000Z-abcdef.md",
+    "", 5, None, ["bug-20260101T000000.000000Z-abcdef.md"]])
 def test_send_takes_only_a_bare_report_name(keyed: Any, proxy: Proxy, filename: Any) -> None:
     s, keys = keyed
     use_proxy(s, proxy)
@@ -460,12 +460,12 @@ def test_send_refusals(keyed: Any, proxy: Proxy) -> None:
         assert r.status_code == 400 and "sha256 is required" in r.json()["detail"]
     r = writer.post("/api/bug-report/send", json={"filename": name, "sha256": digest, "force": True})
     assert r.status_code == 400 and "force" in r.json()["detail"]
-    r = writer.post("/api/bug-report/send", json={"filename": "bug-20260101T000000Z-abcdef.md", "sha256": digest})
+    r = writer.post("/api/bug-report/send", json={"filename": "bug-20260101T000000.000000Z-abcdef.md", "sha256": digest})
     assert r.status_code == 404
     # a link named like a report, to a file outside the folder, is not read
-    (s.data_dir / "reports" / "bug-20260101T000000Z-bbbbbb.md").symlink_to(s.data_dir / "config.json")
+    (s.data_dir / "reports" / "bug-20260101T000000.000000Z-bbbbbb.md").symlink_to(s.data_dir / "config.json")
     config_digest = hashlib.sha256((s.data_dir / "config.json").read_bytes()).hexdigest()
-    r = writer.post("/api/bug-report/send", json={"filename": "bug-20260101T000000Z-bbbbbb.md", "sha256": config_digest})
+    r = writer.post("/api/bug-report/send", json={"filename": "bug-20260101T000000.000000Z-bbbbbb.md", "sha256": config_digest})
     assert r.status_code == 404
     # an edited report no longer has the digest that was shown: nothing is sent
     path = s.data_dir / "reports" / name
