@@ -87,6 +87,21 @@ class KernelSettings:
     update_ignore_net_policy: bool = setting(False, owner_only=True,
                                              description="Let the update check and apply reach update_url even when "
                                                          "net_mode is off")
+    net_mode: str = setting("on", choices=("on", "ask", "off"),
+                            description="The server's own outbound calls (the bug-report proxy behind GET "
+                                        "/api/issues and POST /api/bug-report/send, the update check): on: "
+                                        "allowed; ask: only when a request asks for one, never in the "
+                                        "background; off: never (those routes answer with an error naming "
+                                        "net_mode). Model downloads and upstreams you configure are not affected")
+    bugreport_upload_url: str = setting("", owner_only=True,
+                                        description="The bug-report proxy (http or https URL) that lists the "
+                                                    "project's issues (GET /api/issues) and files reviewed bug "
+                                                    "reports (POST /api/bug-report/send); empty: none")
+    bugreport_upload_token: str = setting("", owner_only=True, secret=True,
+                                          description="Bearer token sent to the bug-report proxy; empty: none")
+    keep_diagnostics: int = setting(50, min=1, max=10000, owner_only=True,
+                                    description="How many saved bug reports <data dir>/reports keeps (the oldest "
+                                                "are removed when a new one is saved)")
 
 
 KERNEL_FIELDS: dict[str, FieldSpec] = {f.key: f for f in fields_of(KernelSettings)}

@@ -9,6 +9,7 @@
 <data dir>/server.json        the running server's address and attach token (0600)
 <data dir>/plugins/<name>/    installed plugins
 <data dir>/plugin-data/<name>/  each plugin's own data
+<data dir>/reports/            bug reports saved for review (0600)
 ```
 """
 

@@ -6,15 +6,20 @@ by :class:`KernelASGI <localm.kernel.app.KernelASGI>`: method, path (never the q
 string), status, duration, the caller's key id, and what the handlers added with
 :func:`annotate` (the model, the tokens in, read from cache and out, the error code). Request bodies and
 headers are never logged.
+
+The last lines of the log are also kept in memory (:func:`keep_recent`), for the bug
+reports that ask to include them (``POST /api/bug-report`` with ``include_log``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import datetime
 import json
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
@@ -141,6 +146,55 @@ def annotate(request: Any = None, /, **fields: Any) -> None:
             line.fields.pop(key, None)
         else:
             line.fields[key] = value
+
+
+# --- the recent lines, for bug reports -------------------------------------------------
+
+#: How many of the log's last lines the server keeps in memory (POST /api/bug-report
+#: includes some of them when asked to); longer lines are cut.
+RECENT_LINES = 1000
+RECENT_LINE_CHARS = 1000
+
+
+class RecentLines(logging.Handler):
+    """The last lines of this process's log (the ``localm`` and ``uvicorn`` loggers) in
+    memory, as text, whatever format stderr gets."""
+
+    def __init__(self, capacity: int = RECENT_LINES) -> None:
+        super().__init__()
+        self.lines: collections.deque[str] = collections.deque(maxlen=capacity)
+        self.setFormatter(logging.Formatter(TEXT_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+        except Exception:
+            return
+        for line in text.splitlines():
+            self.lines.append(line if len(line) <= RECENT_LINE_CHARS else line[:RECENT_LINE_CHARS] + "…")
+
+    def tail(self, count: int) -> list[str]:
+        return list(self.lines)[-count:] if count > 0 else []
+
+
+_recent: list[RecentLines] = []
+_recent_lock = threading.Lock()
+
+
+def keep_recent() -> RecentLines:
+    """Start keeping the log's recent lines (once per process; later calls return the same)."""
+    with _recent_lock:
+        if not _recent:
+            handler = RecentLines()
+            for name in ("localm", "uvicorn"):
+                logging.getLogger(name).addHandler(handler)
+            _recent.append(handler)
+        return _recent[0]
+
+
+def recent_lines(count: int) -> list[str]:
+    """The last ``count`` lines of this process's log (none before :func:`keep_recent`)."""
+    return _recent[0].tail(count) if _recent else []
 
 
 # --- the log's format -----------------------------------------------------------------

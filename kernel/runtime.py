@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from litestar import Router
 
-from . import __version__
+from . import __version__, logs
 from .app import KernelASGI, build_litestar, host_name, route_pairs
 from .auth import KERNEL_SCOPES, KeyStore
 from .config import Config
@@ -48,6 +48,7 @@ class Kernel:
         #: What the server serves HTTPS with (kernel/tls.py); None: plain HTTP.
         self.tls = tls
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        logs.keep_recent()  # the log lines a bug report may include
         self.bind_host = bind_host
         self.port = port
         machine = socket.gethostname().lower().rstrip(".")

@@ -637,10 +637,15 @@ class Updates:
 
     @staticmethod
     def _blocked(config: Any, settings: Settings) -> str | None:
-        if net_mode(config) == "off" and not settings.ignore_net_policy:
-            return ("net_mode is off: this server makes no network requests, so it cannot check for updates "
-                    "(set net_mode, or the owner-only update_ignore_net_policy, to let it)")
-        return None
+        """Why net_mode stops the update channel now (kernel/netpolicy.py), or None."""
+        from . import netpolicy
+
+        if settings.ignore_net_policy:
+            return None
+        decision = netpolicy.outbound(config, "the update channel")
+        if decision.allowed:
+            return None
+        return f"{decision.error} (or the owner-only update_ignore_net_policy)"
 
     # --- one at a time -----------------------------------------------------------------------
     @contextlib.contextmanager
