@@ -73,6 +73,12 @@ class KernelSettings:
     tls_key: str = setting("", owner_only=True,
                            description="The absolute path of tls_cert's private key (PEM, unencrypted); empty: "
                                        "localm's own (applies at the next start)")
+    session_mode: str = setting("metadata", choices=("none", "metadata", "full"), owner_only=True,
+                                description="What the session log (session-log.sqlite) keeps of each chat turn: none: "
+                                            "nothing; metadata: when, the route, the model, whose key, how it ended "
+                                            "and its token counts; full: that, the user's own words and the reply")
+    session_log_days: float = setting(30.0, min=0.0, owner_only=True,
+                                      description="Days a turn stays in the session log (0: until it is cleared)")
     hf_token: str = setting("", owner_only=True, secret=True,
                             description="Hugging Face access token sent (as a Bearer token) when pulling from the hub, "
                                         "for gated and private repositories; empty: the HF_TOKEN environment "

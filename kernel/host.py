@@ -38,6 +38,22 @@ class Host:
         return self._kernel.started_at
 
     @property
+    def session_log(self) -> Any:
+        """The session log (kernel/sessionlog.py): ``record(...)``, ``turns(owner=...)``,
+        ``user_lines(owner=..., since=...)``, ``clear(owner=...)``; and ``session_mode(caller,
+        asked)`` below says which mode a chat is recorded under."""
+        return self._kernel.session_log
+
+    def session_mode(self, caller: Any, asked: str | None = None) -> str:
+        """The mode a chat from ``caller`` is recorded under: the session_mode setting, or less
+        when ``asked`` (the request's X-Localm-Session-Mode) says so and the caller may lower it
+        (the owner, or anyone while no key exists). An ``asked`` that is no mode is a 400."""
+        from .sessionlog import effective_mode
+        k = self._kernel
+        may_lower = caller is None or caller.is_owner or not k.auth_required()
+        return effective_mode(k.config.get("session_mode"), asked, may_lower=may_lower)
+
+    @property
     def models(self) -> Any:
         """The model manager: ``resolve``, ``use`` (hold a loaded model for a request), ``load``, ``unload_one``."""
         return self._kernel.models

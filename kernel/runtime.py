@@ -31,6 +31,7 @@ from .metrics import Metrics
 from .plugins import PluginHost
 from .sessions import SessionStore
 from .storage import atomic_write_json, sweep_temporary
+from .sessionlog import SessionLog
 from .updates import Updates
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class Kernel:
         self.sessions = SessionStore(self.data_dir, self.keys)
         self.jobs = Jobs()
         self.updates = Updates(self.data_dir)
+        self.session_log = SessionLog(self.data_dir, keep_days=lambda: self.config.get("session_log_days"))
         self.engines: dict[str, tuple[str, Any]] = {}
         #: engine name → (the formats it serves, those it serves when no other engine does)
         self.engine_formats: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}

@@ -53,12 +53,17 @@ def _declared(k: Any) -> dict[str, Any]:
 
 def _context_extras(k: Any) -> dict[str, Any]:
     """effective_ctx_max: the most tokens a prompt and its reply may take on the active model (the
-    ceiling its window grows to), and effective_ctx_model: that model; null when none is loaded."""
+    ceiling its window grows to), and effective_ctx_model: that model; null when none is loaded.
+    effective_mode and effective_chat_mode: what the session log keeps of a chat turn."""
+    from ..sessionlog import effective_mode
+    mode = effective_mode(k.config.get("session_mode"), None, may_lower=False)
+    out = {"effective_mode": mode, "effective_chat_mode": mode}
     models = k.models
     resident = models.resident.get(models.active) if models.active else None
     if resident is None or not hasattr(resident.engine, "capabilities"):
-        return {"effective_ctx_max": None, "effective_ctx_model": None}
-    return {"effective_ctx_max": resident.engine.capabilities.context_limit, "effective_ctx_model": resident.entry.id}
+        return {**out, "effective_ctx_max": None, "effective_ctx_model": None}
+    return {**out, "effective_ctx_max": resident.engine.capabilities.context_limit,
+            "effective_ctx_model": resident.entry.id}
 
 
 @patch("/v1/config", scope="config:write", summary="Change config keys; returns the merged config",

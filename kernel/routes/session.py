@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import attrs
@@ -10,8 +11,9 @@ from litestar.datastructures import Cookie
 
 from ..app import _cookie
 from ..errors import LocalmError
+from ..sessionlog import HEADER, effective_mode
 from ..sessions import COOKIE, SESSION_TTL
-from ..routing import get, post
+from ..routing import delete, get, post
 from .common import json_body, kernel_of, principal_of
 
 
@@ -38,7 +40,14 @@ async def read_session(request: Request) -> dict[str, Any]:
             csrf = found[1]
     scopes = sorted(caller.scopes) if caller.authenticated else []
     return {"authed": caller.authenticated, "scopes": scopes, "required": k.auth_required(), "csrf": csrf,
-            "session_mode": "none"}
+            "session_mode": session_mode(k, caller, request.headers.get(HEADER))}
+
+
+def session_mode(k: Any, caller: Any, asked: str | None) -> str:
+    """The mode a chat from ``caller`` is recorded under, with the request's
+    X-Localm-Session-Mode (``asked``), which the owner (or anyone, while no key exists) may use
+    to lower it."""
+    return effective_mode(k.config.get("session_mode"), asked, may_lower=caller.is_owner or not k.auth_required())
 
 
 @attrs.define
@@ -107,4 +116,38 @@ async def whoami(request: Request) -> dict[str, Any]:
             "required": k.auth_required()}
 
 
-ROUTES = [read_session, sign_in, sign_out, whoami]
+def _log_owner(request: Request) -> str | None:
+    """Whose turns this caller reads and clears: everyone's for the owner (None), else its own."""
+    caller = principal_of(request)
+    return None if caller.is_owner or caller.kind == "open" else caller.owner_tag
+
+
+@get("/api/session/log", scope=None, summary="Chat turns in the session log, newest first (the owner's: all; a key's: its own)",
+     errors={400: "limit or before that is not a positive integer",
+             409: "The session log cannot be read (session_log_unreadable)"})
+async def read_log(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    query = request.query_params
+    numbers = {}
+    for name, default in (("limit", 100), ("before", None)):
+        raw = query.get(name)
+        if raw is None:
+            numbers[name] = default
+            continue
+        if not raw.isdigit() or int(raw) < 1:
+            raise LocalmError(400, f"{name} must be a positive integer", code="invalid_parameter")
+        numbers[name] = int(raw)
+    turns = await asyncio.to_thread(k.session_log.turns, owner=_log_owner(request), limit=numbers["limit"],
+                                    before=numbers["before"])
+    return {"mode": k.config.get("session_mode"), "turns": turns}
+
+
+@delete("/api/session/log", scope=None, summary="Clear the session log (the owner's: every turn; a key's: its own)",
+        errors={409: "The session log cannot be written (session_log_unreadable)"})
+async def clear_log(request: Request) -> dict[str, Any]:
+    k = kernel_of(request)
+    gone = await asyncio.to_thread(k.session_log.clear, owner=_log_owner(request))
+    return {"cleared": gone}
+
+
+ROUTES = [read_session, sign_in, sign_out, whoami, read_log, clear_log]

@@ -59,6 +59,8 @@ class RequestState:
         self.opened = False
         #: how the reply ended, for the outlet hooks (None until it has)
         self.outcome: dict[str, Any] | None = None
+        #: what the session log keeps of this turn (none, metadata, full)
+        self.session_mode = "none"
 
     def header(self, name: str, value: str) -> None:
         """A response header; once a streamed reply is open its headers are sent, so a later one

@@ -46,6 +46,8 @@ from . import compaction, constrained, defaults, fields, hooks, pipeline, routin
 from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
+#: The request header that lowers, and the response header that says, what the session log keeps.
+SESSION_HEADER = "X-Localm-Session-Mode"
 from .prompt import chat_tokens
 from .request import Common, Options, Reader, media_of, read_common, read_messages, read_options
 
@@ -275,6 +277,7 @@ class Generation:
             return
         text, reasoning = "".join(said_text), "".join(said_reasoning)
         message, _ = await chain.outlet(self._ended(_message(text, reasoning, calls)))
+        await self._record(message)
         for status in chain.statuses():
             yield status
         for item in _appended(message, text, reasoning):
@@ -291,18 +294,44 @@ class Generation:
     async def _outlet_after(self, message: dict[str, Any], cause: BaseException | None = None) -> None:
         """Run the outlet hooks after a reply that failed (``cause``: what ended it, when it
         was raised) or that its client left: what they return reaches nobody, and a hook that
-        fails is logged."""
-        if not self.chain.outlets:
-            return
+        fails is logged. The session log gets the turn."""
         abandoned = isinstance(cause, (asyncio.CancelledError, GeneratorExit, ConnectionError))
         if cause is not None and not abandoned:
             self.outcome.finish_reason = "error"
             self.outcome.error = self.outcome.error or (cause.detail if isinstance(cause, sdk.LocalmError)
                                                         else f"{type(cause).__name__}: {cause}")
+        self._ended(message, abandoned=abandoned)
+        if self.chain.outlets:
+            try:
+                await self.chain.outlet(message)
+            except BaseException as exc:  # noqa: BLE001 - the reply is over; the cause stays the reply's own
+                log.warning("a chat_outlet hook failed after a %s reply: %s", "left" if abandoned else "failed",
+                            exc)
+        await self._record(message)
+
+    async def _record(self, message: dict[str, Any]) -> None:
+        """Keep the turn in the session log as its mode says (before the reply's last chunk
+        goes out: a turn a client saw end is on disk). A log that cannot be written is logged."""
+        state = self.chain.state
+        if state.session_mode == "none":
+            return
+        outcome = state.outcome or {}
+        body = state.request or self.request.body
+        user = "\n".join(_own_words(body.get("messages"))[-1:]) if "messages" in body else \
+            (body.get("prompt") if isinstance(body.get("prompt"), str) else None)
+        reply = message.get("content") if isinstance(message.get("content"), str) else None
+        write = asyncio.ensure_future(asyncio.to_thread(
+            self.host.session_log.record, mode=state.session_mode, route=state.route, model=self.entry.id,
+            owner=self.chain.context.owner_tag, finish_reason=outcome.get("finish_reason"),
+            prompt_tokens=self.outcome.prompt_tokens, completion_tokens=self.outcome.completion_tokens,
+            user=user, reply=reply))
         try:
-            await self.chain.outlet(self._ended(message, abandoned=abandoned))
-        except BaseException as exc:  # noqa: BLE001 - the reply is over; the cause stays the reply's own
-            log.warning("a chat_outlet hook failed after a %s reply: %s", "left" if abandoned else "failed", exc)
+            await asyncio.shield(write)  # a client that leaves now does not stop the write
+        except asyncio.CancelledError:
+            write.add_done_callback(_logged_failure)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the reply stands; the log says what was not kept
+            log.warning("the session log did not keep a turn: %s", exc)
 
     async def reply(self) -> Reply:
         """The whole reply (for a non-streaming request), after the chat_outlet hooks."""
@@ -324,6 +353,7 @@ class Generation:
         else:
             message, reply.rewritten = await self.chain.outlet(
                 self._ended(_message(reply.text, "".join(reply.reasoning), reply.calls)))
+            await self._record(message)
             if reply.rewritten:
                 reply.content = [message.get("content") or ""]
                 reasoning = message.get("reasoning_content") or ""
@@ -367,6 +397,29 @@ class _Longer(Exception):
     def __init__(self, route: Any) -> None:
         super().__init__("routed for a longer context")
         self.route = route
+
+
+def _logged_failure(write: Any) -> None:
+    if not write.cancelled() and write.exception() is not None:
+        log.warning("the session log did not keep a turn: %s", write.exception())
+
+
+#: Messages a client marks as not the user's own words (a tool result, its own prompt).
+_ORIGINS = ("tool", "client")
+
+
+def _own_words(messages: Any) -> list[str]:
+    """The user's own messages' text, oldest first: user messages not marked with an origin."""
+    out = []
+    for m in messages if isinstance(messages, list) else []:
+        if not isinstance(m, dict) or m.get("role") != "user" or m.get("origin") in _ORIGINS:
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if isinstance(content, str) and content.strip():
+            out.append(content.strip())
+    return out
 
 
 def _appended(message: dict[str, Any], text: str, reasoning: str) -> list[Any]:
@@ -719,6 +772,8 @@ class ChatService:
         media = r.media
         caller = sdk.caller(request) if request is not None else None
         chain = hooks.Chain(self.host, route=route, streamed=parsed.common.stream, caller=caller)
+        if request is not None:  # a client's turn (the service's own calls are no one's): the session log's
+            chain.state.session_mode = self.host.session_mode(caller, request.headers.get(SESSION_HEADER))
 
         def check(hooked: dict[str, Any], plugin: str) -> Any:
             return self._reread(hooked, asked.origins, read, plugin, parsed.common)
@@ -732,6 +787,8 @@ class ChatService:
         found = self._route(resolved, parsed, chain)
         steering = await self._interventions(hooked, found)
         headers = self._fields(kind, asked, request, request_headers, report, ignored, chain, steering)
+        if request is not None:
+            headers[SESSION_HEADER] = chain.state.session_mode
         if chain.state.routing is not None and chain.state.routing.header is not None:
             headers["X-Localm-Model-Routing"] = routing.header_value(chain.state.routing.header)
         self._check_stream(parsed.options, parsed.common, chain, asked.origins)
