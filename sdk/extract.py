@@ -549,29 +549,41 @@ MAX_UPLOAD_BYTES = 30 * MB
 MAX_FILENAME_CHARS = 255
 
 
-def upload(body: Any) -> dict[str, Any]:
-    """``{"filename", "content_b64", "max_chars"}`` → ``{"filename", "text", "chars",
-    "truncated"}``: the file decoded (413 ``file_too_large`` over 30 MB, told from the base64's
-    length before it is decoded; 400 ``invalid_base64``), its text (see ``extract``), cut to
-    ``max_chars`` (clamped to 500..200,000; left out: the whole text). Blocking: call it in a
-    worker thread."""
-    if not isinstance(body, dict) or not isinstance(body.get("filename"), str) or not body["filename"].strip() \
-            or not isinstance(body.get("content_b64"), str):
-        raise sdk.LocalmError(400, 'The body must be {"filename": str, "content_b64": str}', code="invalid_parameter")
-    name = body["filename"].replace("\\", "/").rsplit("/", 1)[-1].strip()
-    if not name or len(name) > MAX_FILENAME_CHARS or any(ord(c) < 32 or c == "\x7f" for c in name):
-        raise sdk.LocalmError(400, f"filename must be a file name of 1 to {MAX_FILENAME_CHARS} printable characters",
+def decode(item: Any, where: str = "") -> tuple[str, bytes]:
+    """One uploaded file, ``{"filename", "content_b64"}``: its base name and bytes (400
+    ``invalid_parameter`` for a missing or bad field, 400 ``invalid_base64``, 413
+    ``file_too_large`` over 30 MB, told from the base64's length before it is decoded).
+    ``where`` names the item in a refusal (``files[2]``)."""
+    at = f"{where}." if where else ""
+    if not isinstance(item, dict) or not isinstance(item.get("filename"), str) or not item["filename"].strip() \
+            or not isinstance(item.get("content_b64"), str):
+        raise sdk.LocalmError(400, f"{where or 'The body'} must be {{\"filename\": str, \"content_b64\": str}}",
                               code="invalid_parameter")
-    limit = body.get("max_chars")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
-        raise sdk.LocalmError(400, "max_chars must be an integer", code="invalid_parameter")
-    encoded = body["content_b64"]
+    name = item["filename"].replace("\\", "/").rsplit("/", 1)[-1].strip()
+    if not name or len(name) > MAX_FILENAME_CHARS or any(ord(c) < 32 or c == "\x7f" for c in name):
+        raise sdk.LocalmError(400, f"{at}filename must be a file name of 1 to {MAX_FILENAME_CHARS} printable "
+                                   "characters", code="invalid_parameter")
+    encoded = item["content_b64"]
     if len(encoded) * 3 // 4 > MAX_UPLOAD_BYTES + 2:
         raise sdk.LocalmError(413, f"{name} is over 30 MB", code="file_too_large")
     try:
         data = base64.b64decode("".join(encoded.split()), validate=True)
     except (binascii.Error, ValueError):
         raise sdk.LocalmError(400, f"{name}: content_b64 is not valid base64", code="invalid_base64") from None
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise sdk.LocalmError(413, f"{name} is over 30 MB", code="file_too_large")
+    return name, data
+
+
+def upload(body: Any) -> dict[str, Any]:
+    """``{"filename", "content_b64", "max_chars"}`` → ``{"filename", "text", "chars",
+    "truncated"}``: the file decoded (see ``decode``), its text (see ``extract``), cut to
+    ``max_chars`` (clamped to 500..200,000; left out: the whole text). Blocking: call it in a
+    worker thread."""
+    limit = body.get("max_chars") if isinstance(body, dict) else None
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise sdk.LocalmError(400, "max_chars must be an integer", code="invalid_parameter")
+    name, data = decode(body)
     text = extract(name, data, max_bytes=MAX_UPLOAD_BYTES).text
     truncated = False
     if limit is not None:

@@ -124,6 +124,19 @@ class LocalmServer:
             time.sleep(0.05)
         raise RuntimeError(f"localm serve did not become ready in {timeout}s:\n{self.log()}")
 
+    def wait_restarted(self, old_token: str, timeout: float = 60) -> None:
+        """After ``POST /v1/server/restart``: wait for the restarted server (a server.json with
+        another attach token than ``old_token``) to answer."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if json.loads((self.data_dir / "server.json").read_text())["token"] != old_token:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+        self.wait_ready(self.pid, timeout=max(1.0, deadline - time.monotonic()))
+
     def _found(self, info: dict[str, Any]) -> None:
         """Take the address, scheme, trust and attach token from the server's server.json."""
         self.url, self.port, self.token, self.verify = info["url"], info["port"], info["token"], _verify(info)

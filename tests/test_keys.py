@@ -173,7 +173,7 @@ def test_session_cookie_and_csrf(keyed: Any) -> None:
     assert "HttpOnly" in set_cookie and "samesite=strict" in set_cookie.lower()
     state = browser.get("/api/session").json()
     assert state == {"authed": True, "scopes": ["admin"], "required": True, "csrf": body["csrf"],
-                     "session_mode": "none"}
+                     "session_mode": "metadata"}
     assert browser.get("/v1/config").status_code == 200
     r = browser.patch("/v1/config", json={"suggest_plugins": False})
     assert r.status_code == 403 and "CSRF" in r.json()["detail"]

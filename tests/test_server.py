@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +47,7 @@ def test_restart_comes_back_on_the_same_port(server: Any) -> None:
     before = s.owner().get("/v1/config").json()
     assert s.owner().post("/v1/server/restart").json() == {"restarting": True}
     old_token = s.token
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            info = json.loads((s.data_dir / "server.json").read_text())
-            if info["token"] != old_token:
-                break
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    s.wait_ready(s.proc.pid)
+    s.wait_restarted(old_token)
     assert s.port == before["instance_port"] and s.token != old_token
     after = s.owner().get("/v1/config").json()
     assert after["instance_id"] != before["instance_id"] and after["instance_port"] == before["instance_port"]

@@ -13,7 +13,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -463,16 +462,7 @@ def test_restart_in_place_keeps_https_and_the_ca(server: Callable[..., LocalmSer
     ca = (data_dir / "tls" / "ca.crt").read_bytes()
     old = s.token
     assert s.owner().post("/v1/server/restart").json() == {"restarting": True}
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if json.loads((data_dir / "server.json").read_text())["token"] != old:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    assert s.proc is not None
-    s.wait_ready(s.proc.pid)
+    s.wait_restarted(old)
     assert s.url.startswith("https://") and "localm restarted on https://" in s.log()
     assert s.owner().get("/v1/config").json()["tls_enabled"] is True
     assert (data_dir / "tls" / "ca.crt").read_bytes() == ca

@@ -176,16 +176,7 @@ def start(localm_server: Callable[..., LocalmServer], tmp_path: Path, url: str, 
 
 
 def wait_restart(s: LocalmServer, old_token: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if json.loads((s.data_dir / "server.json").read_text())["token"] != old_token:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    assert s.proc is not None
-    s.wait_ready(s.proc.pid)
+    s.wait_restarted(old_token)
     assert s.token != old_token
 
 

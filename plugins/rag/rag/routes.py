@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import math
 from typing import Any
 
@@ -14,9 +12,6 @@ from localm.sdk import extract
 from . import policy, schema
 from .service import (DEFAULT_EMBEDDER, INTERNAL, MAX_FILE_BYTES, MAX_PATHS, MAX_QUERY_CHARS, MAX_UPLOAD_BYTES,
                       Source, plain_paths)
-
-#: The longest file name an upload may give.
-MAX_FILENAME_CHARS = 255
 
 
 async def _body(request: sdk.Request, limit: int | None = None) -> dict[str, Any]:
@@ -50,24 +45,7 @@ def _job(request: sdk.Request, fn: Any, *, kind: str, title: str) -> dict[str, A
 
 def _decode(item: Any, index: int) -> tuple[str, bytes]:
     """One uploaded file: its name and bytes (413 over 30 MB, checked before decoding)."""
-    if not isinstance(item, dict) or not isinstance(item.get("filename"), str) or not item["filename"].strip() \
-            or not isinstance(item.get("content_b64"), str):
-        raise sdk.LocalmError(400, f"files[{index}] must be {{\"filename\": str, \"content_b64\": str}}",
-                              code="invalid_parameter")
-    name = item["filename"].replace("\\", "/").rsplit("/", 1)[-1].strip()
-    if not name or len(name) > MAX_FILENAME_CHARS or any(ord(c) < 32 or c == "\x7f" for c in name):
-        raise sdk.LocalmError(400, f"files[{index}].filename must be a file name of 1 to {MAX_FILENAME_CHARS} "
-                                   "printable characters", code="invalid_parameter")
-    encoded = item["content_b64"]
-    if len(encoded) * 3 // 4 > MAX_FILE_BYTES + 2:
-        raise sdk.LocalmError(413, f"{name} is over 30 MB", code="file_too_large")
-    try:
-        data = base64.b64decode("".join(encoded.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise sdk.LocalmError(400, f"{name}: content_b64 is not valid base64", code="invalid_base64") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise sdk.LocalmError(413, f"{name} is over 30 MB", code="file_too_large")
-    return name, data
+    return extract.decode(item, f"files[{index}]")
 
 
 # --- collections ------------------------------------------------------------------------
