@@ -141,8 +141,8 @@ async def events(gen: Any, chat: Any, ident: str) -> AsyncIterator[bytes]:
                 yield delta({"type": "input_json_delta", "partial_json": whole})
                 for chunk in close():
                     yield chunk
-            elif isinstance(item, chat.Status) and item.code == "waiting":
-                yield event("ping", {})
+            elif isinstance(item, chat.Status) and item.code in ("waiting", "loading_model"):
+                yield event("ping", {})  # Anthropic's events have no status: a ping while nothing else comes
     except sdk.LocalmError as exc:  # the stream is open: the refusal ends it in band
         yield event("error", {"error": {"type": error_type(exc.status), "message": chat.redact(exc.detail)}})
         return
