@@ -124,6 +124,9 @@ READ_ONLY_EXTRAS = ("effective_mode", "effective_chat_mode", "effective_coder_mo
 
 INSTANCE_ID = secrets.token_hex(8)
 
+#: Settings that name a file: an absolute path, or empty.
+ABSOLUTE_PATHS = ("tls_cert", "tls_key")
+
 #: The secret settings (hf_token, update_token, ...): kept in ``credentials.json`` (readable by
 #: this user alone) instead of config.json, and written after it, so a change that fails leaves
 #: them as they were.
@@ -228,6 +231,8 @@ class Config:
             if spec.owner_only and not principal.is_owner:
                 raise LocalmError(403, f"{key} is owner-only: it needs an admin key")
             updates[key] = None if value is None else spec.check(value)
+            if key in ABSOLUTE_PATHS and updates[key] and not Path(updates[key]).is_absolute():
+                raise LocalmError(400, f"{key} must be an absolute path (the server resolves no other)")
         if not updates:
             self.raw()  # still report an unreadable file
             return

@@ -394,8 +394,13 @@ def test_secrets_never_reach_a_saved_report(keyed: Any, proxy: Proxy) -> None:
     # the access log writes a request's path: put the scoped key and the token in one
     writer.get(f"/v1/nothing/{keys['writer']}/{hf_token}")
     s.owner().get(f"/v1/nothing/{UPLOAD_TOKEN}?token={keys['owner']}")
-    out = report(writer, description=f"my key is {keys['writer']} and Bearer {keys['owner']}",
-                 what_happened=f"token={UPLOAD_TOKEN} hf={hf_token} attach {s.token}", include_log=True)
+    body = {"description": f"my key is {keys['writer']} and Bearer {keys['owner']}",
+            "what_happened": f"token={UPLOAD_TOKEN} hf={hf_token} attach {s.token}", "include_log": True}
+    # the log holds every caller's requests: only the owner's report may carry it
+    before = saved(s)
+    refused = writer.post("/api/bug-report", json=body)
+    assert refused.status_code == 403 and refused.json()["code"] == "owner_only" and saved(s) == before
+    out = report(s.client(keys["owner"]), **body)
     text = (s.data_dir / "reports" / out["filename"]).read_text()
     assert "/v1/nothing/" in text  # the log lines are there, scrubbed
     for secret in (keys["writer"], keys["owner"], keys["reader"], hf_token, UPLOAD_TOKEN, s.token, proxy.url,

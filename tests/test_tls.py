@@ -181,6 +181,11 @@ def test_a_config_write_key_neither_sees_nor_sets_tls(keyed: tuple[LocalmServer,
         assert "owner-only" in r.json()["detail"]
     assert (s.data_dir / "config.json").read_bytes() == before
     assert s.client(owner).get("/v1/config").json()["tls_enabled"] is True
+    # the owner's own pair is named by absolute paths, checked when it is set
+    for key in ("tls_cert", "tls_key"):
+        r = s.client(owner).patch("/v1/config", json={key: "certs/mine.pem"})
+        assert r.status_code == 400 and "absolute path" in r.json()["detail"]
+    assert (s.data_dir / "config.json").read_bytes() == before
 
 
 def test_localm_commands_reach_their_https_server(keyed: tuple[LocalmServer, str, str]) -> None:

@@ -90,6 +90,7 @@ REPORT_BODY = {
 @post("/api/bug-report", scope="config:write", summary="Write a bug report and save it for review (never sent)",
       body=REPORT_BODY,
       errors={400: "upload was set, or neither description (message) nor what_happened says anything",
+              403: "include_log from a caller who is not the owner",
               413: "The body is over 256 KiB",
               422: "No JSON object, or a field of the wrong type, too long or unknown",
               500: "The report could not be written", 504: "Writing the report took too long"})
@@ -98,6 +99,9 @@ async def create_bug_report(request: Request) -> dict[str, Any]:
     caller = principal_of(request)
     body = await json_body(request, max_bytes=REPORT_BODY_BYTES, refuse=_refuse_body)
     req = bugreport.parse(body)
+    if req.include_log and not caller.is_owner:  # other callers' requests are in it: paths, key ids, addresses
+        raise LocalmError(403, "include_log is the owner's: the server log holds every caller's requests",
+                          code="owner_only")
     text = await asyncio.to_thread(bugreport.build, k, req)
     keep = k.config.get("keep_diagnostics")
     keep = keep if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0 else 50
