@@ -99,6 +99,9 @@ class KernelSettings:
                                         "allowed; ask: only when a request asks for one, never in the "
                                         "background; off: never (those routes answer with an error naming "
                                         "net_mode). Model downloads and upstreams you configure are not affected")
+    net_allow_model_downloads: bool = setting(False, owner_only=True,
+                                              description="Let model downloads (localm pull from the Hugging Face "
+                                                          "hub) through while net_mode is off")
     bugreport_upload_url: str = setting("", owner_only=True,
                                         description="The bug-report proxy (http or https URL) that lists the "
                                                     "project's issues (GET /api/issues) and files reviewed bug "

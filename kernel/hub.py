@@ -250,17 +250,48 @@ def _safe_file(f: HubFile) -> HubFile:
 
 # --- the protocol ------------------------------------------------------------------------
 
+class _NoNetwork(httpx.BaseTransport):
+    """A transport that sends nothing: every request raises ``error``."""
+
+    def __init__(self, error: LocalmError) -> None:
+        self.error = error
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        raise self.error
+
+
+def downloads_blocked(data_dir: Path | None) -> str | None:
+    """Why this server downloads no model now, or None: net_mode (kernel/netpolicy.py) stops
+    it, unless the owner-only net_allow_model_downloads lets model downloads through."""
+    if data_dir is None:
+        return None
+    from . import netpolicy
+    from .config import Config
+
+    config = Config(data_dir)
+    if config.get("net_allow_model_downloads") is True:
+        return None
+    decision = netpolicy.outbound(config, "the Hugging Face hub")
+    if decision.allowed:
+        return None
+    return f"{decision.error}, or net_allow_model_downloads to let model downloads through"
+
+
 class Hub:
     """One conversation with the hub: its listing and downloads, with the caller's token."""
 
-    def __init__(self, repo: str, *, auth: str | None = None, base: str | None = None) -> None:
+    def __init__(self, repo: str, *, auth: str | None = None, base: str | None = None,
+                 blocked: str | None = None) -> None:
+        """``blocked``: why this server makes no download now (net_mode): every request is then
+        refused with a 409 ``net_mode_off`` carrying it, before it leaves."""
         self.repo = check_repo(repo)
         self.base = (base or endpoint()).rstrip("/")
         self.auth = auth
         headers = {"User-Agent": "localm", "Accept-Encoding": "identity"}
         if auth:
             headers["Authorization"] = f"Bearer {auth}"  # httpx drops it on a redirect to another host
-        self.client = httpx.Client(headers=headers, follow_redirects=True, timeout=TIMEOUT)
+        transport = _NoNetwork(LocalmError(409, blocked, code="net_mode_off")) if blocked else None
+        self.client = httpx.Client(headers=headers, follow_redirects=True, timeout=TIMEOUT, transport=transport)
 
     def close(self) -> None:
         self.client.close()

@@ -590,18 +590,21 @@ def _from_hub(source: str, repo: str, selector: str | None, *, formats: list[Mod
     from . import hub
 
     auth = hub.token(data_dir)
-    with hub.Hub(repo, auth=auth) as client:
+    blocked = hub.downloads_blocked(data_dir)
+    with hub.Hub(repo, auth=auth, blocked=blocked) as client:
         try:
             listing = client.listing()
         except LocalmError as exc:  # offline: the files pulled before still serve (as huggingface_hub's cache does)
-            here = hub.local_listing(data_dir, repo) if exc.code == "hub_unreachable" and data_dir else None
+            here = hub.local_listing(data_dir, repo) \
+                if exc.code in ("hub_unreachable", "net_mode_off") and data_dir else None
             try:
                 if here is None:
                     raise
                 hub.choose(here, selector)
             except LocalmError:
                 raise exc from None
-            log(f"The Hugging Face hub cannot be reached: using the files of {repo} pulled before")
+            log(f"The Hugging Face hub cannot be reached: using the files of {repo} pulled before" if not blocked
+                else f"net_mode lets no download through: using the files of {repo} pulled before")
             listing = here
         ggufs = [f for f in listing.gguf() if not hub.is_projector(f.name)]
         if ggufs or selector:
@@ -616,6 +619,8 @@ def _from_hub(source: str, repo: str, selector: str | None, *, formats: list[Mod
             return ([Found(pulled.path, "gguf", pulled.name, sha256=pulled.sha256, projector=pulled.projector)],
                     f"hf:{repo}:{first}", aliases)
     what = " or ".join(f.describe for f in formats)
+    if blocked:
+        raise LocalmError(409, blocked, code="net_mode_off")
     root = hub_snapshot(repo, log, auth=auth)
     found = find_weights(root, formats)
     if not found:

@@ -4,8 +4,10 @@ The server's own outbound calls are the ones it makes to services of the project
 bug-report proxy (``GET /api/issues``, ``POST /api/bug-report/send``) and the update
 channel. ``net_mode`` is ``on`` (allowed), ``ask`` (only when a request asks for the call,
 never in the background) or ``off`` (never). A value that is none of these (a hand-edited
-config.json) counts as ``off``: the policy fails closed. Model downloads and upstreams a user
-configures (the remote plugin) are governed by their own settings, not by this one.
+config.json) counts as ``off``: the policy fails closed. Model downloads from the Hugging Face
+hub follow it too (kernel/hub.py ``downloads_blocked``), unless the owner-only
+``net_allow_model_downloads`` lets them through. Upstreams a user configures (the remote
+plugin) are governed by their own settings, not by this one.
 """
 
 from __future__ import annotations

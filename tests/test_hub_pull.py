@@ -57,6 +57,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
         hub.add("smol/Bad-GGUF", "Bad-Q4_K_M.gguf", model, lie="0" * 64)
         hub.add("smol/Resume-GGUF", "Resume-Q4_K_M.gguf", model)
         hub.add("smol/Later-GGUF", "Later-Q4_K_M.gguf", model)
+        hub.add("smol/Fresh-GGUF", "Fresh-Q4_K_M.gguf", model)
         hub.add("smol/Private-GGUF", "Private-Q4_K_M.gguf", model)
         hub.private["smol/Private-GGUF"] = TOKEN
         hub.add("smol/Folder", "config.json", json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -303,3 +304,26 @@ def test_a_repository_without_gguf_files_is_a_hugging_face_folder(s: LocalmServe
     assert missing.status_code == 404 and missing.json()["error"] == "The Hugging Face hub has no smol/No-Such-Repo"
     tagged = pull(s, "smol/Folder:Q4_K_M")  # a quantisation of a repository without GGUF files
     assert tagged.status_code == 400 and tagged.json()["error"] == "smol/Folder holds no GGUF model file", tagged.text
+
+
+def test_net_mode_off_downloads_nothing_unless_model_downloads_are_let_through(s: LocalmServer, hub: HubServer
+                                                                                ) -> None:
+    with s.owner() as owner:
+        assert owner.patch("/v1/config", json={"net_mode": "off"}).status_code == 200
+        try:
+            seen = len(hub.seen())
+            r = pull(s, "smol/Fresh-GGUF")
+            assert r.status_code == 409, r.text
+            assert "net_mode is off" in r.json()["error"] and "net_allow_model_downloads" in r.json()["error"]
+            assert len(hub.seen()) == seen  # nothing left this machine
+            # what was pulled before still serves, from here
+            out = s.cli("pull", "smol/One-GGUF:One-Q4_1.gguf")
+            assert out.returncode == 0, out.stderr
+            assert "net_mode lets no download through: using the files of smol/One-GGUF pulled before" in out.stdout
+            assert len(hub.seen()) == seen
+            # the owner lets model downloads through
+            assert owner.patch("/v1/config", json={"net_allow_model_downloads": True}).status_code == 200
+            r = pull(s, "smol/Fresh-GGUF")
+            assert r.status_code == 200 and r.json()["models"] == ["fresh"], r.text
+        finally:
+            owner.patch("/v1/config", json={"net_mode": None, "net_allow_model_downloads": None})
