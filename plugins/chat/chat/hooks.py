@@ -61,6 +61,9 @@ class RequestState:
         self.outcome: dict[str, Any] | None = None
         #: what the session log keeps of this turn (none, metadata, full)
         self.session_mode = "none"
+        #: a stream opened before its model loaded: the Outcome its surface reads, for the
+        #: generation prepared later to fill
+        self.outcome_to_fill: Any = None
 
     def header(self, name: str, value: str) -> None:
         """A response header; once a streamed reply is open its headers are sent, so a later one

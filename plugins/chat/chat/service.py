@@ -46,6 +46,9 @@ from . import compaction, constrained, defaults, fields, hooks, pipeline, routin
 from . import rerank as reranking
 
 log = logging.getLogger("localm.plugin.chat")
+#: Model types whose load reads weights here (seconds to minutes): a stream to one that is not
+#: loaded opens before it loads.
+LOADS_WEIGHTS = ("gguf", "hf")
 #: The request header that lowers, and the response header that says, what the session log keeps.
 SESSION_HEADER = "X-Localm-Session-Mode"
 from .prompt import chat_tokens
@@ -130,6 +133,7 @@ class Generation:
         yield pipeline.Status("loading_model", f"Loading {self.entry.id}")
         state = self.chain.state
         before = dict(state.headers)
+        state.outcome_to_fill = self.outcome  # a generation primed while prepared fills the one surfaces read
         ready = await prepare()
         for name, value in state.headers.items():
             if before.get(name) != value:
@@ -834,6 +838,8 @@ class ChatService:
         loaded, one a routing decision may change, or a refusal that is still an HTTP status."""
         if not common.stream or isinstance(found, sdk.LocalmError) or found.id in self.host.models.resident:
             return None
+        if getattr(found, "type", None) not in LOADS_WEIGHTS:  # an upstream or a Pipe: nothing to wait for,
+            return None                                       # and its refusal is still an HTTP status (prime)
         if chain.state.routing is not None and chain.state.routing.routed:
             return None
         self.check_chat_model(found)  # refused before it loads, as an HTTP status
@@ -1036,6 +1042,8 @@ class ChatService:
                 generation = self._prepare_messages(chat_request, entry, engine, common, options, headers, received,
                                                     chain, steering)
                 generation.hold = hold
+                if chain.state.outcome_to_fill is not None:  # an opened stream's, which its surface reads
+                    generation.outcome = chain.state.outcome_to_fill
                 if common.stream:
                     await generation.prime()
                 return generation

@@ -313,15 +313,17 @@ def test_a_silent_upstream_is_a_504(server: Any, oai: Any, tmp_path: Path) -> No
         _wait(f"http://127.0.0.1:{port}/v1/models", silent, log)
         assert server.cli("pull", f"openai+http://127.0.0.1:{port}/v1#quiet", "--name", "quiet").returncode == 0
         assert server.cli("config", "set", "plugins", json.dumps({"remote": {"timeout_s": 1}})).returncode == 0
+        # streamed, to a model not loaded yet: an upstream is no weights to wait for, so the
+        # request reaches it before the stream opens and its refusal is still an HTTP status
+        with pytest.raises(openai.APIStatusError) as refused:
+            oai.chat.completions.create(model="quiet", messages=ask("hi"), max_tokens=4, stream=True)
+        assert refused.value.status_code == 504
         began = time.monotonic()
         r = server.owner().post("/v1/chat/completions", json={"model": "quiet", "messages": ask("hi"),
                                                               "max_tokens": 4})
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "upstream_timeout" and f"127.0.0.1:{port}" in r.text
         assert time.monotonic() - began < 10
-        with pytest.raises(openai.APIStatusError) as refused:  # streamed: before its stream opens
-            oai.chat.completions.create(model="quiet", messages=ask("hi"), max_tokens=4, stream=True)
-        assert refused.value.status_code == 504
     finally:
         _stop(silent)
         server.cli("config", "set", "plugins", "{}")
