@@ -50,6 +50,7 @@ run takes about a minute on 2 CPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -63,7 +64,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 from localm.sdk.testing import LocalmServer
@@ -335,6 +336,31 @@ class Localm:
 
 
 # --- one streamed chat completion ------------------------------------------------------------------
+
+@contextlib.contextmanager
+def running(servers: list[Any], workdir: Path, keep: bool, clients: dict[str, Any] | None = None) -> Iterator[None]:
+    """Around a bench's run: when it fails, print each server's log tail; however it ends, close
+    ``clients``, stop the servers and (unless ``keep``) remove ``workdir``."""
+    try:
+        yield
+    except Exception:
+        for server in servers:
+            print(f"--- {server.name} log (tail) ---\n{server.log()}", file=sys.stderr)
+        raise
+    finally:
+        for c in (clients or {}).values():
+            c.close()
+        for server in servers:
+            server.stop()
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def took(t0: float, workdir: Path, keep: bool) -> str:
+    """The closing line: how long the bench took, the load average now, where the logs are kept."""
+    return (f"(bench took {time.monotonic() - t0:.0f} s, load average now {os.getloadavg()[0]:.2f}"
+            + (f"; logs in {workdir}" if keep else "") + ")")
+
 
 def request_body(prompt: str, max_tokens: int, model: str | None, stream: bool) -> dict[str, Any]:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": stream,
@@ -625,7 +651,7 @@ def run_load(args: argparse.Namespace, model: Path) -> None:
     meter = CpuMeter()
     figures: dict[str, dict[str, list[float]]] = {s.name: {"single": [], "ttft1": [], "aggregate": [], "ttft": [],
                                                           "per_stream": []} for s in servers}
-    try:
+    with running(servers, workdir, args.keep):
         version = importlib.metadata.version("llama_cpp_python")
         print(f"python {platform.python_version()}, llama-cpp-python {version}, {os.cpu_count()} CPUs, "
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -706,15 +732,6 @@ def run_load(args: argparse.Namespace, model: Path) -> None:
               f"from the first request sent to the last token; bench took {time.monotonic() - t0:.0f} s, "
               f"load average now {os.getloadavg()[0]:.2f})")
         print(f"{len(redone)} disturbed round(s) measured again" + (f": {', '.join(redone)}" if redone else ""))
-    except Exception:
-        for server in servers:
-            print(f"--- {server.name} log (tail) ---\n{server.log()}", file=sys.stderr)
-        raise
-    finally:
-        for server in servers:
-            server.stop()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> None:
@@ -771,7 +788,7 @@ def main() -> None:
     servers = [peer, localm]
     clients: dict[str, httpx.Client] = {}
     meter = CpuMeter()
-    try:
+    with running(servers, workdir, args.keep, clients):
         version = importlib.metadata.version("llama_cpp_python")
         print(f"python {platform.python_version()}, llama-cpp-python {version}, {os.cpu_count()} CPUs, "
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -828,19 +845,7 @@ def main() -> None:
               "(llama.cpp's threads spin while they wait, so about n_threads x wall time); loop ms/req: CPU time "
               "of the server's main thread per request (its event loop: HTTP, SSE framing, JSON); /proc counts CPU "
               f"time in {1000 / CLK_TCK:.0f} ms ticks")
-        print(f"(bench took {time.monotonic() - t0:.0f} s, load average now {os.getloadavg()[0]:.2f}"
-              + (f"; logs in {workdir}" if args.keep else "") + ")")
-    except Exception:
-        for server in servers:
-            print(f"--- {server.name} log (tail) ---\n{server.log()}", file=sys.stderr)
-        raise
-    finally:
-        for c in clients.values():
-            c.close()
-        for server in servers:
-            server.stop()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        print(took(t0, workdir, args.keep))
 
 
 if __name__ == "__main__":

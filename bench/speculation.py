@@ -48,7 +48,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import signal
 import statistics
 import sys
@@ -61,7 +60,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat import (WARMUP_PROMPT, CpuMeter, LlamaServer, Localm, default_model,  # noqa: E402
-                  request_body, wait_quiet)
+                  request_body, running, took, wait_quiet)
 
 # --- the tasks --------------------------------------------------------------------------------------
 
@@ -306,7 +305,7 @@ def main() -> None:
     # rows[config][task]: one dict per measured request
     rows: dict[str, dict[str, list[dict[str, Any]]]] = {c.name: {t: [] for t in tasks} for c in configs}
     redone: list[str] = []
-    try:
+    with running(servers, workdir, args.keep, clients):
         version = importlib.metadata.version("llama_cpp_python")
         print(f"python {platform.python_version()}, llama-cpp-python {version}, {os.cpu_count()} CPUs, "
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -361,19 +360,7 @@ def main() -> None:
                               flush=True)
 
         report(configs, tasks, rows, args, redone)
-        print(f"\n(bench took {time.monotonic() - t0:.0f} s, load average now {os.getloadavg()[0]:.2f}"
-              + (f"; logs in {workdir}" if args.keep else "") + ")")
-    except Exception:
-        for server in servers:
-            print(f"--- {server.name} log (tail) ---\n{server.log()}", file=sys.stderr)
-        raise
-    finally:
-        for c in clients.values():
-            c.close()
-        for server in servers:
-            server.stop()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        print("\n" + took(t0, workdir, args.keep))
 
 
 def report(configs: list[Config], tasks: list[str], rows: dict[str, dict[str, list[dict[str, Any]]]],

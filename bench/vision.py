@@ -43,7 +43,6 @@ import base64
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -244,7 +243,7 @@ def main() -> None:
     servers: list[Any] = [LlamaServer(model, projector, args, workdir), Localm(model, projector, args, workdir)]
     clients: dict[str, httpx.Client] = {}
     meter = chat_bench.CpuMeter()
-    try:
+    with chat_bench.running(servers, workdir, args.keep, clients):
         print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; "
               f"llama-server {servers[0].binary.parent.name}", flush=True)
         print(f"model: {model.name}; projector: LLaVA-style mlp, {args.image_size} px pictures, "
@@ -333,19 +332,7 @@ def main() -> None:
         if max(others) > args.max_other_load:
             print("  WARNING: other processes took CPU during some measured requests: with as many llama.cpp "
                   "threads as cores that slows a request several-fold; rerun on an idle machine")
-        print(f"(bench took {time.monotonic() - t0:.0f} s, load average now {os.getloadavg()[0]:.2f}"
-              + (f"; logs in {workdir}" if args.keep else "") + ")")
-    except Exception:
-        for server in servers:
-            print(f"--- {server.name} log (tail) ---\n{server.log()}", file=sys.stderr)
-        raise
-    finally:
-        for c in clients.values():
-            c.close()
-        for server in servers:
-            server.stop()
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        print(chat_bench.took(t0, workdir, args.keep))
 
 
 if __name__ == "__main__":
