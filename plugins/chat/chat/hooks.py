@@ -64,6 +64,9 @@ class RequestState:
         #: a stream opened before its model loaded: the Outcome its surface reads, for the
         #: generation prepared later to fill
         self.outcome_to_fill: Any = None
+        #: a streamed request being prepared whose stream may open before preparing ends
+        #: (service.Live): told of every status, so an open stream sends it at once
+        self.live: Any = None
 
     def header(self, name: str, value: str) -> None:
         """A response header; once a streamed reply is open its headers are sent, so a later one
@@ -155,10 +158,14 @@ class ChatContext:
 
     def status(self, code: str, text: str) -> None:
         """Send a status event (``status_code`` and ``status`` on the OpenAI routes) in a
-        streamed reply; from chat_inlet it is sent as the stream opens."""
+        streamed reply. From chat_inlet it is sent as the stream opens, which is at once when
+        preparing the request takes more than a fraction of a second (a slow inlet hook's
+        statuses arrive while it runs)."""
         if not isinstance(code, str) or not isinstance(text, str):
             raise TypeError("context.status takes a code and a text, both strings")
         self._req.statuses.append(pipeline.Status(code, text))
+        if self._req.live is not None:  # a stream open while the request is prepared sends it now
+            self._req.live.changed.set()
 
     # the context was a dict with "route" once: context["route"] and context.get("route") still read
     def __getitem__(self, key: str) -> Any:

@@ -34,6 +34,7 @@ import copy
 import json
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, NamedTuple
 
@@ -49,6 +50,9 @@ log = logging.getLogger("localm.plugin.chat")
 #: Model types whose load reads weights here (seconds to minutes): a stream to one that is not
 #: loaded opens before it loads.
 LOADS_WEIGHTS = ("gguf", "hf")
+#: a streamed request still being prepared this long after it arrived opens its stream
+#: (seconds): statuses go out while it is prepared, and a refusal from then on travels in band
+OPEN_AFTER = 0.5
 #: The request header that lowers, and the response header that says, what the session log keeps.
 SESSION_HEADER = "X-Localm-Session-Mode"
 from .prompt import chat_tokens
@@ -98,6 +102,63 @@ def _message(content: str, reasoning: str, calls: list[dict[str, Any]]) -> dict[
     return message
 
 
+class Live:
+    """A streamed request being prepared (the inlet hooks, resolving, steering, checking,
+    loading), watched so that its stream can open before preparing ends: what the request
+    looked like before the inlet hooks (to open the stream with), what preparing is doing now
+    (a status), and an event set whenever a status waits to be sent."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.chain: hooks.Chain | None = None
+        self.asked: ChatRequest | None = None
+        self.parsed: Parsed | None = None
+        self.found: Any = None
+        self.phase: pipeline.Status | None = None
+        self.changed = asyncio.Event()
+        #: the generation has begun (an upstream was sent the request): its refusal is still an
+        #: HTTP status, so the stream no longer opens early
+        self.generating = False
+        self.opened = False
+        self.adopted = False
+        #: the X-Localm-Session-Mode the reply carries (None: a request of the service's own)
+        self.session: str | None = None
+
+    def attach(self, chain: hooks.Chain, asked: ChatRequest, parsed: Parsed, found: Any) -> None:
+        self.chain, self.asked, self.parsed, self.found = chain, asked, parsed, found
+        chain.state.live = self
+
+    def enter(self, code: str, text: str) -> None:
+        """Preparing moved on to ``code``: an open stream says so now."""
+        self.phase = pipeline.Status(code, text)
+        if self.opened and self.chain is not None:
+            self.chain.state.statuses.append(self.phase)
+            self.changed.set()
+
+    def may_open(self) -> bool:
+        return (self.chain is not None and self.parsed is not None and not self.generating
+                and not isinstance(self.found, sdk.LocalmError))
+
+
+def _abandon(task: Any) -> None:
+    """A preparation nobody will use: stopped, and the model it held released."""
+    task.cancel()
+
+    def release(done: Any) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        ready = done.result()
+        if ready.hold is not None:
+            ready.hold.release()
+    task.add_done_callback(release)
+
+
+def _abandon_unadopted(task: Any, live: Live) -> None:
+    if not live.adopted:
+        live.adopted = True
+        _abandon(task)
+
+
 @attrs.define
 class Generation:
     """A request checked, its model loaded and its prompt tokenised; nothing generated yet."""
@@ -124,6 +185,43 @@ class Generation:
     #: a streamed reply opened before its model loaded: the rest of its preparation (returns the
     #: prepared generation), run by items() after a loading_model status
     pending: Any = None
+    #: a streamed reply opened while the request was still being prepared (inlet hooks
+    #: included): the task preparing it, and the headers its stream was opened with
+    preparing: Any = None
+    sent_headers: dict[str, str] | None = None
+
+    async def _awaited(self) -> AsyncIterator[pipeline.Status]:
+        """Finish a preparation that outlasted the stream's opening: the statuses it sends
+        meanwhile, as they come. A refusal is raised (the surfaces send it in band); headers set
+        after the stream opened go to the last chunk; what was prepared becomes this
+        generation's."""
+        task, self.preparing = self.preparing, None
+        state = self.chain.state
+        live = state.live
+        try:
+            while not task.done():
+                live.changed.clear()
+                for status in self.chain.statuses():
+                    yield status
+                waiter = asyncio.ensure_future(live.changed.wait())
+                try:
+                    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+        except BaseException:
+            _abandon_unadopted(task, live)
+            raise
+        live.adopted = True
+        for status in self.chain.statuses():
+            yield status
+        ready = task.result()
+        sent = self.sent_headers or {}
+        for name, value in ready.headers.items():
+            if sent.get(name) != value:
+                state.fields.setdefault("localm_headers", {})[name] = value
+        for name in ("entry", "prompt", "fingerprint", "plan", "common", "options", "messages", "reads", "hold",
+                     "primed", "pending", "request"):
+            setattr(self, name, getattr(ready, name))
 
     async def _prepared(self) -> AsyncIterator[pipeline.Status]:
         """Finish a pending preparation (load the model, render and check the prompt): a
@@ -204,6 +302,9 @@ class Generation:
         engine (an upstream server) before the response opens, and a refusal it meets before
         it begins (the upstream's 413, an unreachable upstream's 502) is raised here, where it
         is still an HTTP status. items() and reply() go on from what was read."""
+        live = self.chain.state.live
+        if live is not None:
+            live.generating = True
         source = self._generate()
         try:
             ahead = [await source.__anext__()]
@@ -248,6 +349,10 @@ class Generation:
         async def sent(item: Any) -> list[Any]:
             return [said(one) for one in (await through(item) if through is not None else [item])]
 
+        if self.preparing is not None:  # refused while prepared: no turn to tell the outlet hooks of
+            async for status in self._awaited():
+                for out in await sent(status):
+                    yield out
         try:
             for status in chain.statuses():
                 for out in await sent(status):
@@ -325,7 +430,8 @@ class Generation:
             (body.get("prompt") if isinstance(body.get("prompt"), str) else None)
         reply = message.get("content") if isinstance(message.get("content"), str) else None
         write = asyncio.ensure_future(asyncio.to_thread(
-            self.host.session_log.record, mode=state.session_mode, route=state.route, model=self.entry.id,
+            self.host.session_log.record, mode=state.session_mode, route=state.route,
+            model=self.entry.id if self.entry is not None else self.common.model,
             owner=self.chain.context.owner_tag, finish_reason=outcome.get("finish_reason"),
             prompt_tokens=self.outcome.prompt_tokens, completion_tokens=self.outcome.completion_tokens,
             user=user, reply=reply))
@@ -606,14 +712,20 @@ class ChatService:
         refused with a 413 instead).
         """
         received = time.perf_counter() if received is None else received
+        asked = _asked(body, extra)
+        return await self._early(asked, received, lambda live: self._chat(
+            asked, route=route, request=request, report=report, ignored=ignored, request_headers=request_headers,
+            received=received, compact=compact, live=live))
 
+    async def _chat(self, asked: ChatRequest, *, route: str, request: Any, report: bool | None,
+                    ignored: list[str] | None, request_headers: Any, received: float, compact: bool,
+                    live: Live | None = None) -> Generation:
         def read(r: Reader) -> Parsed:
             return Parsed(read_common(r), read_messages(r), read_options(r, "chat"))
 
-        asked = _asked(body, extra)
         (common, messages, options), chain, steering, headers, found = await self._admit(
             "chat", asked, read, route=route, request=request, report=report, ignored=ignored,
-            request_headers=request_headers)
+            request_headers=request_headers, live=live)
         asked = _read(asked, common, options, found, messages)
 
         budget = self._budget()
@@ -664,7 +776,14 @@ class ChatService:
         no chat template. The chat hooks run as for ``chat``; the inlet hooks see ``prompt``
         where a chat has ``messages``."""
         received = time.perf_counter() if received is None else received
+        asked = _asked(body, extra)
+        return await self._early(asked, received, lambda live: self._complete(
+            asked, route=route, request=request, report=report, ignored=ignored, request_headers=request_headers,
+            received=received, live=live))
 
+    async def _complete(self, asked: ChatRequest, *, route: str, request: Any, report: bool | None,
+                        ignored: list[str] | None, request_headers: Any, received: float,
+                        live: Live | None = None) -> Generation:
         def read(r: Reader) -> Parsed:
             common = read_common(r)
             prompt_text = r.body.get("prompt")
@@ -677,10 +796,9 @@ class ChatService:
             r.get("echo", (bool,), "true or false", False)
             return Parsed(common, prompt_text, read_options(r, "completions"))
 
-        asked = _asked(body, extra)
         (common, prompt_text, options), chain, steering, headers, found = await self._admit(
             "completions", asked, read, route=route, request=request, report=report, ignored=ignored,
-            request_headers=request_headers)
+            request_headers=request_headers, live=live)
 
         def render(engine: Any) -> tuple[list[int], bool]:
             return engine.tokenize(prompt_text, add_special=options.add_special), False
@@ -735,7 +853,8 @@ class ChatService:
         remote engine asks its upstream); else the request's messages are estimated at 4
         characters a token. ``headers``, when given, receives the response headers a reply to
         this request would carry (the model routing's)."""
-        generation = await self.chat(body, route=route, request=request, extra=extra, compact=False)
+        generation = await self._chat(_asked(body, extra), route=route, request=request, report=None, ignored=None,
+                                      request_headers=None, received=time.perf_counter(), compact=False)
         if headers is not None:  # what the reply would say of itself (X-Localm-Model-Routing)
             headers.update(generation.headers)
         try:
@@ -753,8 +872,8 @@ class ChatService:
 
     # --- the steps of chat and complete -------------------------------------------------------
     async def _admit(self, kind: str, asked: ChatRequest, read: Any, *, route: str, request: Any,
-                     report: bool | None, ignored: list[str] | None,
-                     request_headers: Any) -> tuple[Parsed, hooks.Chain, Interventions, dict[str, str], Any]:
+                     report: bool | None, ignored: list[str] | None, request_headers: Any,
+                     live: Live | None = None) -> tuple[Parsed, hooks.Chain, Interventions, dict[str, str], Any]:
         """Read the client's request, run the inlet hooks and read what they left, resolve the
         model, ask for steering, then check the fields against what was claimed: (the request
         as read, the hooks, the steering, headers, the model's registry entry or the refusal
@@ -782,7 +901,14 @@ class ChatService:
         def check(hooked: dict[str, Any], plugin: str) -> Any:
             return self._reread(hooked, asked.origins, read, plugin, parsed.common)
 
+        if live is not None:
+            live.attach(chain, asked, parsed, resolved)
+            live.session = chain.state.session_mode if request is not None else None
+            if chain.inlets:
+                live.enter("chat_hooks", "Running the chat plugins' inlet hooks")
         hooked, changed_by, checked = await chain.inlet(self._hooked(body, asked.extra, kind, chain), check)
+        if live is not None:
+            live.enter("processing", "Preparing the request")
         if changed_by:
             parsed, media = checked
         chain.state.media = media
@@ -830,6 +956,48 @@ class ChatService:
                                requested=common.model, loaded=self.host.models.resident)
         return route if route.routed else None
 
+    async def _early(self, asked: ChatRequest, received: float, run: Any) -> Generation:
+        """Prepare a request with ``run(live)``. A streamed one still being prepared after
+        OPEN_AFTER seconds opens its stream then: the generation returned sends the statuses
+        of what preparing does (chat_hooks, processing, loading_model and the hooks' own) as
+        they come, and a refusal from then on travels in band. Before that, and for a request
+        not streamed, a refusal is raised here (an HTTP status)."""
+        if asked.body.get("stream") is not True:
+            return await run(None)
+        live = Live("chat" if "messages" in asked.body else "completions")
+        task = asyncio.ensure_future(run(live))
+        try:
+            await asyncio.wait({task}, timeout=OPEN_AFTER)
+        except BaseException:
+            _abandon(task)
+            raise
+        if task.done() or not live.may_open():
+            return await task
+        return self._opened_early(live, task, received)
+
+    def _opened_early(self, live: Live, task: Any, received: float) -> Generation:
+        """The generation of a stream that opens while its request is prepared by ``task``:
+        named and shaped by the request as the client sent it (before the inlet hooks)."""
+        chain, parsed, found = live.chain, live.parsed, live.found
+        assert chain is not None and parsed is not None and live.asked is not None
+        common, options = parsed.common, parsed.options
+        state = chain.state
+        if live.session is not None:
+            state.answer_with({SESSION_HEADER: live.session})
+        state.opened = True
+        live.opened = True
+        if live.phase is not None:  # what preparing does now (the inlet hooks' statuses came while they ran)
+            state.statuses.insert(0 if live.phase.code == "chat_hooks" else len(state.statuses), live.phase)
+        shown = common.model if common.model not in (None, "", "localm") else found.id
+        messages = parsed.content if live.kind == "chat" else None
+        generation = Generation(host=self.host, entry=found, prompt=[], fingerprint="", plan=pipeline.Plan(),
+                                common=common, options=options, model=shown, received=received, chain=chain,
+                                request=_read(live.asked, common, options, found, messages), preparing=task,
+                                sent_headers=dict(state.headers))
+        state.outcome_to_fill = generation.outcome  # a generation primed meanwhile fills the one surfaces read
+        weakref.finalize(generation, _abandon_unadopted, task, live)  # a stream never read stops it
+        return generation
+
     def _opening(self, asked: ChatRequest, found: Any, common: Common, options: Options, headers: dict[str, str],
                  received: float, chain: hooks.Chain, prepare: Any) -> Generation | None:
         """A streamed reply whose model is not loaded opens before it loads: a generation whose
@@ -858,7 +1026,10 @@ class ChatService:
         if route is None or not route.routed:
             return await self.host.models.hold(entry.id), entry
         failures: dict[str, str] = {}
+        live = chain.state.live
         for candidate in (route.entry, *route.fallbacks):
+            if live is not None and candidate.id not in self.host.models.resident:
+                live.enter("loading_model", f"Loading {candidate.id}")
             try:
                 hold = await self.host.models.hold(candidate.id, activate=False)
             except sdk.LocalmError as exc:

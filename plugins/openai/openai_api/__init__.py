@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from localm import sdk
-from localm.sdk.chat import Call, ChatRequest, Piece, Reasoning
+from localm.sdk.chat import Call, ChatRequest, Piece, Reasoning, Status
 from localm.sdk.fields import Reader
 
 from . import schema, scoring
@@ -127,8 +127,10 @@ async def chat_completions(request: sdk.Request) -> Any:
     async def chunks() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
         calls = 0
+        refused, replied = None, False
         try:
             async for item in gen.items():
+                replied = replied or not isinstance(item, Status)
                 if isinstance(item, Piece):
                     logprobs = None
                     if asked.logprobs is not None:
@@ -143,14 +145,16 @@ async def chat_completions(request: sdk.Request) -> Any:
                     yield chunk({"status": item.text, "status_code": item.code})
         except sdk.LocalmError as exc:  # the stream is open: a refusal now travels in band
             outcome.finish_reason = "error"
-            yield chunk({"content": f"\n[inference error: {host.chat.redact(exc.detail)}]"},
-                        localm_error={"status": exc.status, "detail": exc.detail, "code": exc.code})
+            refused = {"status": exc.status, "detail": exc.detail, "code": exc.code}
+            yield chunk({"content": f"\n[inference error: {host.chat.redact(exc.detail)}]"}, localm_error=refused)
         if gen.extra:  # what hooks and readers added: one chunk with empty choices
             yield _event({**gen.extra, "id": ident, "object": "chat.completion.chunk", "created": created,
                           "model": gen.model, "choices": []})
         last = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": gen.model,
                 "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}
+        if refused is not None and not replied:  # refused while prepared: the final chunk says so too
+            last["choices"][0]["localm_error"] = refused
         for event in _ending(last, host.chat.usage(outcome), asked.include_usage):
             yield event
 
@@ -202,8 +206,10 @@ async def completions(request: sdk.Request) -> Any:
     async def chunks() -> AsyncIterator[bytes]:
         if echo:
             yield chunk(prompt_text)
+        refused, replied = None, False
         try:
             async for item in gen.items():
+                replied = replied or not isinstance(item, Status)
                 if isinstance(item, Piece):
                     logprobs = None
                     if asked.logprobs is not None:
@@ -211,14 +217,16 @@ async def completions(request: sdk.Request) -> Any:
                     yield chunk(item.text, logprobs=logprobs)
         except sdk.LocalmError as exc:
             outcome.finish_reason = "error"
-            yield chunk(f"\n[inference error: {host.chat.redact(exc.detail)}]",
-                        localm_error={"status": exc.status, "detail": exc.detail, "code": exc.code})
+            refused = {"status": exc.status, "detail": exc.detail, "code": exc.code}
+            yield chunk(f"\n[inference error: {host.chat.redact(exc.detail)}]", localm_error=refused)
         if gen.extra:
             yield _event({**gen.extra, "id": ident, "object": "text_completion", "created": created,
                           "model": gen.model, "choices": []})
         last = {"id": ident, "object": "text_completion", "created": created, "model": gen.model,
                 "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": outcome.finish_reason,
                              "stop_sequence": outcome.stop_sequence}]}
+        if refused is not None and not replied:  # refused while prepared: the final chunk says so too
+            last["choices"][0]["localm_error"] = refused
         for event in _ending(last, host.chat.usage(outcome, timings=True, capacity=False), asked.include_usage):
             yield event
 
