@@ -65,6 +65,9 @@ async def read_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
         out["vision"] = bool(caps["vision"])
         out["audio_input"] = bool(caps.get("audio_input"))
     out["capabilities"] = caps
+    routed = getattr(models, "forward_info", {}).get(entry.id)
+    if routed is not None:  # an accepted peer route forwards it to another instance
+        out["peer_route"] = routed["peer"]
     resident = models.resident.get(entry.id)
     applied = getattr(resident.engine, "adapters", None) if resident is not None else None
     if applied or entry.adapters:  # the LoRA adapters it loads with (applied now, when loaded): each
