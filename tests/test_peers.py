@@ -146,7 +146,7 @@ def test_a_different_file_is_never_offered(pair: Any, tmp_path: Path) -> None:
 
 def test_matching_is_by_file_not_by_name() -> None:
     from localm.sdk.testing import plugin_module
-    peers = plugin_module("remote", "peers")
+    peers = plugin_module("remote", "remote_engine.peers")
     mine = {"path": "/m/a.gguf", "sha256": None, "file": "a.gguf", "size_bytes": 10}
     assert peers.matches(mine, {"model": "x", "path": "/m/a.gguf", "file": "a.gguf", "size_bytes": 10}, "y")
     assert peers.matches(mine, {"model": "x", "path": "/n/a.gguf", "file": "a.gguf", "size_bytes": 10}, "y")

@@ -708,4 +708,4 @@ def register_model_providers(register, plugin):
         register(scheme, pull, forget=forget, describe=source.describe)
 
 
-from .peers import register_routes  # noqa: E402,F401 - the peer routes (peers.py), hooked from the entry module
+from .peers import startup  # noqa: E402,F401 - provides the peers service (peers.py), hooked from the entry module

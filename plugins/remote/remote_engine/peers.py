@@ -111,11 +111,8 @@ def _entry(host: Any, model: str) -> Any:
         raise
 
 
-@sdk.get("/v1/models/{model:str}/peer-offer", scope="models:read",
-         summary="Whether another instance on this machine has this model loaded",
-         errors={400: "No such model here", 504: "The lookup took too long"})
-async def peer_offer(request: sdk.Request, model: str) -> dict[str, Any]:
-    host = sdk.host_of(request)
+async def peer_offer(host: Any, model: str) -> dict[str, Any]:
+    """GET /v1/models/{model}/peer-offer."""
     entry = _entry(host, model)
     try:
         found = await asyncio.wait_for(find_offer(host, entry), LOOKUP_TIMEOUT)
@@ -137,6 +134,8 @@ class RouteBody(sdk.Struct, forbid_unknown_fields=True):
 
 
 def _route_body(raw: Any) -> RouteBody:
+    if not isinstance(raw, dict):
+        raise sdk.LocalmError(400, "The body must be a JSON object")
     unknown = sorted(set(raw) - {"instance_id", "api_key"})
     if unknown:
         raise sdk.LocalmError(400, f"Unknown field {unknown[0]!r}: this route reads instance_id and api_key",
@@ -174,15 +173,9 @@ def disagrees(mine: str, session: dict[str, Any]) -> bool:
     return mine != "full" and _rank(session.get("session_mode", "full")) > _rank(mine)
 
 
-@sdk.post("/v1/models/{model:str}/peer-route", scope="models:write", body=RouteBody,
-          summary="Accept an offer: forward this model's chats to another instance on this machine",
-          errors={400: "An empty instance_id, or no model to route", 403: "The instance refused the key, or did "
-                  "not answer the check", 409: "That instance is not live, no longer has the model loaded, is not "
-                  "on loopback, or would record chats in a mode this instance's does not allow",
-                  422: "No instance_id field", 504: "A check took too long"})
-async def peer_route(request: sdk.Request, model: str) -> dict[str, Any]:
-    host = sdk.host_of(request)
-    data = _route_body(await sdk.json_body(request, max_bytes=65536))
+async def peer_route(host: Any, model: str, body: Any) -> dict[str, Any]:
+    """POST /v1/models/{model}/peer-route (``body``: the parsed JSON object)."""
+    data = _route_body(body)
     if not data.instance_id.strip():
         raise sdk.LocalmError(400, "instance_id must not be empty", field="instance_id")
     entry = _entry(host, model)
@@ -223,10 +216,8 @@ async def _accept(host: Any, entry: Any, data: RouteBody) -> dict[str, Any]:
     return {"status": "routed", **info}
 
 
-@sdk.delete("/v1/models/{model:str}/peer-route", scope="models:write",
-            summary="Stop forwarding this model to another instance")
-async def peer_unroute(request: sdk.Request, model: str) -> dict[str, Any]:
-    host = sdk.host_of(request)
+async def peer_unroute(host: Any, model: str) -> dict[str, Any]:
+    """DELETE /v1/models/{model}/peer-route."""
     entry = _entry(host, model)
     return {"status": "unrouted", "model": entry.id, "was_routed": host.models.unforward(entry.id)}
 
@@ -298,6 +289,23 @@ class PeerEngine(RemoteEngine):
             raise
 
 
+class PeerService:
+    """The ``peers`` service: what the /v1/models/{model}/peer-offer and /peer-route routes do
+    (they live with GET /v1/models/{id}, whose path they extend, in the openai plugin)."""
+
+    def __init__(self, host: Any) -> None:
+        self._host = host
+
+    async def offer(self, model: str) -> dict[str, Any]:
+        return await peer_offer(self._host, model)
+
+    async def route(self, model: str, body: Any) -> dict[str, Any]:
+        return await peer_route(self._host, model, body)
+
+    async def unroute(self, model: str) -> dict[str, Any]:
+        return await peer_unroute(self._host, model)
+
+
 @sdk.hookimpl
-def register_routes(register):
-    register(peer_offer, peer_route, peer_unroute)
+def startup(host, plugin):
+    host.provide("peers", PeerService(host), plugin=plugin.name)
