@@ -81,8 +81,10 @@ def _private_dir(path: Path) -> bool:
             folders.append(path.parent)
         for folder in folders:
             info = os.lstat(folder)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 return False
+            if info.st_mode & 0o077:  # ours, made with the umask's mode: closed now
+                os.chmod(folder, 0o700)
         return True
     except OSError:
         return False

@@ -75,7 +75,9 @@ _PEER_ROUTE_ERRORS = {400: "An empty instance_id, or no model to route", 403: "T
 
 @sdk.post("/v1/models/{model_id:path}", scope="models:write", error_family="openai",
           summary="POST /v1/models/{model}/peer-route: forward this model's chats to another instance on this machine",
-          errors={**_PEER_ROUTE_ERRORS, 404: "Not a peer-route path"})
+          errors={**_PEER_ROUTE_ERRORS, 404: "Not a peer-route path"},
+          subpaths={"/v1/models/{model}/peer-route": "Accept a peer offer: forward this model's chats to another "
+                                                     "instance on this machine"})
 async def route_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
     """Body ``{"instance_id", "api_key"}`` (api_key empty for an instance with no key): an offer
     from GET /v1/models/{model}/peer-offer, accepted. The route lives in memory only."""
@@ -88,7 +90,8 @@ async def route_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
 
 @sdk.delete("/v1/models/{model_id:path}", scope="models:write", error_family="openai",
             summary="DELETE /v1/models/{model}/peer-route: stop forwarding this model to another instance",
-            errors={404: "Not a peer-route path"})
+            errors={404: "Not a peer-route path"},
+            subpaths={"/v1/models/{model}/peer-route": "Stop forwarding this model to another instance"})
 async def unroute_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
     model = _peer_path(model_id, PEER_ROUTE)
     if model is None:
@@ -99,7 +102,8 @@ async def unroute_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
 @sdk.get("/v1/models/{model_id:path}", scope="models:read", access="open_read", error_family="openai",
          summary="One registered model's details (and GET /v1/models/{model}/peer-offer: whether another "
                  "instance on this machine has it loaded)",
-         errors={504: "peer-offer: the lookup took too long"})
+         errors={504: "peer-offer: the lookup took too long"},
+         subpaths={"/v1/models/{model}/peer-offer": "Whether another instance on this machine has this model loaded"})
 async def read_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
     offered = _peer_path(model_id, PEER_OFFER)
     if offered is not None and sdk.host_of(request).models.registry.find(model_id.lstrip("/")) is None:
