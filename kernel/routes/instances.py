@@ -34,13 +34,14 @@ def file_identity(entry: Any) -> dict[str, Any]:
     path = str(entry.path or "")
     out: dict[str, Any] = {"path": None, "sha256": entry.sha256 or None, "file": None,
                            "size_bytes": entry.size_bytes or None}
-    if path and entry.type not in ("remote", "provided"):
+    if path and "://" not in path:  # weights on this machine (not an upstream's URL)
         try:
             resolved = Path(path).resolve()
-            out["path"] = str(resolved)
-            out["file"] = resolved.name
-            if not out["size_bytes"] and resolved.is_file():
-                out["size_bytes"] = os.path.getsize(resolved)
+            if resolved.exists():
+                out["path"] = str(resolved)
+                out["file"] = resolved.name
+                if not out["size_bytes"] and resolved.is_file():
+                    out["size_bytes"] = os.path.getsize(resolved)
         except OSError:
             pass
     return out

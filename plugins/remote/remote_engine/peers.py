@@ -46,9 +46,11 @@ def identity(entry: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"path": None, "sha256": getattr(entry, "sha256", None) or None, "file": None,
                            "size_bytes": getattr(entry, "size_bytes", 0) or None}
     path = str(getattr(entry, "path", "") or "")
-    if path and entry.type not in ("remote", "provided"):
+    if path and "://" not in path:  # weights on this machine (not an upstream's URL)
         try:
             resolved = Path(path).resolve()
+            if not resolved.exists():
+                return out
             out["path"], out["file"] = str(resolved), resolved.name
             if not out["size_bytes"] and resolved.is_file():
                 out["size_bytes"] = os.path.getsize(resolved)
