@@ -269,6 +269,8 @@ class PeerEngine(RemoteEngine):
         mode = self._host.setting("session_mode") or "none"
         if mode != self._mode:
             self._set_mode(mode)
+        if mode == "full":  # nothing to agree on; a peer gone or a key refused shows on the request itself
+            return
         try:
             session = await check_session(self.base[:-3], self._key or "", mode, client=self._client)
         except (httpx.HTTPError, ValueError) as exc:
