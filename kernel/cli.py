@@ -1045,15 +1045,26 @@ def ps(obj: Ctx, as_json: bool) -> None:
     import time
 
     def body() -> None:
-        loaded = obj.server.call("GET", "/api/models/loaded")["models"] if obj.server else []
+        answer = obj.server.call("GET", "/api/models/loaded") if obj.server else {}
+        loaded = answer.get("models", [])
+        peers = answer.get("peer_served") or []
         if as_json:
             click.echo(json.dumps(loaded, indent=2))
             return
         if not obj.server:
             click.echo(f"No localm server is running on {obj.data_dir}: no model is loaded.")
             return
+        if peers:
+            click.echo(f"{'NAME':<32} SERVED BY")
+            for p in peers:
+                peer = p["peer"]
+                click.echo(f"{p['id']:<32} instance {peer['instance_id']} at {peer['scheme']}://{peer['host']}:"
+                           f"{peer['port']} (as {peer['peer_model']})")
+            if loaded:
+                click.echo("")
         if not loaded:
-            click.echo("No model is loaded.")
+            if not peers:
+                click.echo("No model is loaded.")
             return
         click.echo(f"{'NAME':<32} {'SIZE':>8}  {'ENGINE':<13} {'PROCESSOR':<11} {'SLOTS':<7} {'CONTEXT':>7}  "
                    f"{'LOADED':<16} UNTIL")

@@ -59,6 +59,13 @@ class Host:
         return self._kernel.models
 
     @property
+    def instances(self) -> Any:
+        """The instance registry on this machine and the vouches between instances
+        (kernel/instances.py): ``instance_id``, ``others()``, ``read(id)``, ``vouch_headers(...)``,
+        ``check_proof(...)``."""
+        return self._kernel.instances
+
+    @property
     def jobs(self) -> Any:
         return self._kernel.jobs
 

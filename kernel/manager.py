@@ -70,6 +70,11 @@ class ModelManager:
         #: Models a keep_alive gave a deadline: the time (epoch seconds) each is unloaded at, idle.
         self._expiry: dict[str, float] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        #: Models another instance answers (accepted peer routes): model id → a Resident whose
+        #: engine forwards there. Kept in memory only; ``forward``/``unforward`` change it.
+        self.forwards: dict[str, Resident] = {}
+        #: model id → what GET /v1/models/{id} and GET /api/models say of its route
+        self.forward_info: dict[str, dict[str, Any]] = {}
 
     # --- names ----------------------------------------------------------------------
     def default_name(self) -> str:
@@ -116,6 +121,9 @@ class ModelManager:
             raise LocalmError(400, f"{entry.id} is a LoRA adapter, not a model: apply it to a model with "
                                    f"`localm pull MODEL_FILE --lora {entry.id}` and load that",
                               code="model_is_adapter")
+        forwarded = self.forwards.get(entry.id)
+        if forwarded is not None:  # another instance answers it: nothing loads here
+            return forwarded, False
         lock = self._locks.setdefault(entry.id, asyncio.Lock())
         async with lock:
             found = self.resident.get(entry.id)
@@ -236,6 +244,10 @@ class ModelManager:
         for task in list(self._background):
             task.cancel()
         self._expiry.clear()
+        for model_id in list(self.forwards):
+            forwarded = self.forwards.pop(model_id)
+            self.forward_info.pop(model_id, None)
+            forwarded.engine.close()
         for resident in list(self.resident.values()):
             self.resident.pop(resident.entry.id, None)
             await asyncio.to_thread(resident.engine.close)
@@ -249,6 +261,57 @@ class ModelManager:
         if self.active == entry.id:
             self.active = new_id
         return {"status": "renamed", "model": entry.id, "new_name": new_id, "notes": []}
+
+    # --- models another instance answers ------------------------------------------------
+    def forward(self, model_id: str, engine: Engine, info: dict[str, Any], *, plugin: str) -> None:
+        """Answer ``model_id`` with ``engine`` (one that forwards to another instance) instead
+        of loading it here, until ``unforward``; ``info`` is what the model's detail shows."""
+        entry = self.registry.get(model_id)
+        self.unforward(entry.id)
+        self.forwards[entry.id] = Resident(entry=entry, engine=engine, loaded_at=time.time(), plugin=plugin)
+        self.forward_info[entry.id] = dict(info)
+
+    def unforward(self, model_id: str) -> bool:
+        """Stop forwarding ``model_id``; whether it was. Its engine closes once its requests end."""
+        gone = self.forwards.pop(model_id, None)
+        self.forward_info.pop(model_id, None)
+        if gone is None:
+            return False
+        gone.unloading = True
+        try:
+            self._later(self._close_when_idle(gone))
+        except RuntimeError:  # no running loop: nothing can be using it
+            gone.engine.close()
+        return True
+
+    async def _close_when_idle(self, resident: Resident) -> None:
+        while resident.in_flight:
+            await asyncio.sleep(0.1)
+        resident.engine.close()
+
+    def forwarded(self, name: str | None) -> dict[str, Any] | None:
+        """What the route of the model ``name`` resolves to says, or None when it has none."""
+        try:
+            entry = self.resolve(name)
+        except LocalmError:
+            return None
+        return self.forward_info.get(entry.id)
+
+    async def unload_idle(self) -> dict[str, Any]:
+        """Unload every loaded model no request is using (another instance asked for the memory)."""
+        freed, kept, size = [], [], 0
+        for resident in list(self.resident.values()):
+            if resident.in_flight or resident.unloading:
+                kept.append(resident.entry.id)
+                continue
+            out = await self._unload(resident, grace=0.0)
+            if out["status"] == "unloaded":
+                freed.append(resident.entry.id)
+                size += int(resident.entry.size_bytes or 0)
+            else:
+                kept.append(resident.entry.id)
+        return {"status": "unloaded" if freed else "nothing_idle", "freed": freed, "kept_in_use": kept,
+                "freed_bytes": size}
 
     # --- residency: how long an idle model stays loaded -----------------------------------
     async def keep_alive(self, name: str, seconds: float | None) -> None:
@@ -350,6 +413,8 @@ class ModelManager:
     def engine_gone(self, plugin: str) -> list[str]:
         """``plugin`` stopped: the models its engines loaded are unloaded once their requests
         finish (those still held after the grace period stay until unloaded by hand)."""
+        for model_id in [m for m, r in self.forwards.items() if r.plugin == plugin]:
+            self.unforward(model_id)
         gone = [r for r in self.resident.values() if r.plugin == plugin and not r.unloading]
         loop = asyncio.get_running_loop()
         for resident in gone:

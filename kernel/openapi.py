@@ -14,6 +14,9 @@ and schema-driven fuzzers.
 
 from __future__ import annotations
 
+import copy
+import re
+
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +60,7 @@ def describe(app: "Litestar", schema: dict[str, Any]) -> None:
     components.setdefault("Invalid", INVALID)
     found: list[tuple[dict[str, Any], dict[str, Any], bool]] = []
     models: list[Any] = []
+    added: dict[str, dict[str, Any]] = {}  # the subpaths handlers answer as routes of their own
     for route in app.routes:
         if not isinstance(route, HTTPRoute):
             continue
@@ -92,6 +96,15 @@ def describe(app: "Litestar", schema: dict[str, Any]) -> None:
                         responses.pop(str(status), None)
                     else:
                         responses.setdefault(str(status), _error(why))
+                for sub, summary in (handler.opt.get("subpaths") or {}).items():
+                    copied = copy.deepcopy(operation)
+                    copied["summary"] = summary
+                    copied["operationId"] = f"{operation.get('operationId', '')}{sub}".replace("/", "_")
+                    copied["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                            for n in re.findall(r"\{([^}:]+)", sub)]
+                    added.setdefault(sub, {})[method.lower()] = copied
+    for sub, operations in added.items():
+        paths.setdefault(sub, {}).update(operations)
     unique = list(dict.fromkeys(models))
     refs, defined = msgspec.json.schema_components(unique, ref_template=REF) if unique else ((), {})
     by_model = dict(zip(unique, refs))

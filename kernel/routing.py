@@ -22,7 +22,9 @@ And what the OpenAPI document says of it (kernel/openapi.py): ``body`` (the mode
 JSON body the route reads itself; ``body_required=False`` when it may be left out),
 ``errors`` (``{status: "when it is answered"}``) and ``params`` (JSON schema keywords a
 path or query parameter's schema gains, such as ``{"name": {"pattern": "...", "maxLength":
-63}}``: the bounds the route checks itself, with its own status and message).
+63}}``: the bounds the route checks itself, with its own status and message), and ``subpaths``
+(``{path: summary}``: paths a ``{name:path}`` parameter takes that the handler answers as routes
+of their own, each documented as its own operation).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _opt(scope: Any, access: str, error_family: str | None, opt: dict[str, Any] 
     if access not in ACCESS:
         raise ValueError(f"access must be one of {ACCESS}")
     out = dict(opt or {})
-    for key in ("body", "body_required", "errors", "params", "expensive", "web", "cancel_on_disconnect"):
+    for key in ("body", "body_required", "errors", "params", "expensive", "web", "cancel_on_disconnect", "subpaths"):
         if key in kwargs:
             out[key] = kwargs.pop(key)
     if scope is not _UNSET:

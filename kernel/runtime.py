@@ -24,6 +24,7 @@ from .datadir import server_file
 from .errors import LocalmError
 from .host import Host
 from .jobs import Jobs
+from .instances import Instances
 from .manager import ModelManager
 from .deps import pip_install_sync
 from .models import ModelKinds, Registry, ensure_default, pull
@@ -71,6 +72,8 @@ class Kernel:
                                   builtin_dirs=builtin_dirs, store_dirs=store_dirs, only=only)
         self.plugins.on_change = self.rebuild
         self.attach_token = secrets.token_urlsafe(32)
+        #: This instance in the machine's instance registry, and the vouches between instances.
+        self.instances = Instances()
         enabled = self.config.get("metrics_enabled") or os.environ.get("LOCALM_METRICS") == "1"
         self.metrics: Metrics | None = Metrics() if enabled else None
         self.asgi = KernelASGI(self)
@@ -223,8 +226,14 @@ class Kernel:
         if self.tls is not None:
             info["tls"] = self.tls.server_info()
         atomic_write_json(server_file(self.data_dir), info, mode=0o600)
+        try:
+            self.instances.announce(host=host, port=port, scheme=self.scheme, data_dir=self.data_dir,
+                                    started=self.started_at, version=__version__)
+        except OSError as exc:  # another instance cannot route to this one; this one still serves
+            log.warning("could not announce this instance in the instance registry: %s", exc)
 
     def forget_server_file(self) -> None:
+        self.instances.forget()
         path = server_file(self.data_dir)
         try:
             data = json.loads(path.read_text())

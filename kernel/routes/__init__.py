@@ -6,11 +6,11 @@ from typing import Any
 
 
 def kernel_routes(*, metrics: bool) -> list[Any]:
-    from . import config, diagnostics, health, jobs, keys, models, plugins, server, session, tls, updates
+    from . import config, diagnostics, health, instances, jobs, keys, models, plugins, server, session, tls, updates
 
     out: list[Any] = [*health.ROUTES, *config.ROUTES, *plugins.ROUTES, *keys.ROUTES, *session.ROUTES,
                       *jobs.ROUTES, *server.ROUTES, *models.ROUTES, *tls.ROUTES, *updates.ROUTES,
-                      *diagnostics.ROUTES]
+                      *diagnostics.ROUTES, *instances.ROUTES]
     if metrics:
         out.extend(server.METRICS_ROUTES)
     return out

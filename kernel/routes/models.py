@@ -118,6 +118,9 @@ async def load_model(request: Request, model: str | None = None, gpu_layers: str
     its own (unload it first)."""
     k = kernel_of(request)
     given = await _params(request, model=model, gpu_layers=gpu_layers)
+    routed = k.models.forwarded(given["model"])
+    if routed is not None:  # another instance answers it: nothing loads here
+        return {"status": "peer_routed", "model": routed["model"], "peer": routed["peer"]}
     resident, fresh = await k.models.load(given["model"], options=_gpu_layers(given["gpu_layers"]))
     out = {"status": "loaded" if fresh else "already_loaded", "model": resident.entry.id,
            **placement_fields(resident.engine)}
@@ -170,7 +173,23 @@ async def loaded_models(request: Request) -> dict[str, Any]:
                     "slots": int(getattr(engine, "slots", 1) or 1), "busy": engine.busy,
                     "in_flight": resident.in_flight, "unloading": resident.unloading,
                     "loaded_at": resident.loaded_at, "until": None, **placement_fields(engine)})
-    return {"models": out}
+    peers = [{"id": model_id, "peer": info["peer"], "in_flight": k.models.forwards[model_id].in_flight}
+             for model_id, info in list(k.models.forward_info.items()) if model_id in k.models.forwards]
+    return {"models": out, "peer_served": peers}
 
 
-ROUTES = [load_model, unload_model, rename_model, loaded_models]
+@get("/api/models", scope="models:read", access="open_read",
+     summary="The registered models, which are loaded, and the accepted peer routes")
+async def list_models(request: Request) -> dict[str, Any]:
+    """``peer_routes`` lists the models this instance forwards to another instance on this
+    machine (kept in this process's memory only)."""
+    k = kernel_of(request)
+    entries = k.models.entries()
+    return {"models": [{"id": e.id, "role": e.role, "type": e.type, "loaded": e.id in k.models.resident,
+                        "active": k.models.active == e.id, "peer_routed": e.id in k.models.forward_info}
+                       for e in entries],
+            "active": k.models.active,
+            "peer_routes": [{"model": m, **info} for m, info in list(k.models.forward_info.items())]}
+
+
+ROUTES = [load_model, unload_model, rename_model, loaded_models, list_models]

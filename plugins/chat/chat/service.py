@@ -1006,6 +1006,8 @@ class ChatService:
         loaded, one a routing decision may change, or a refusal that is still an HTTP status."""
         if not common.stream or isinstance(found, sdk.LocalmError) or found.id in self.host.models.resident:
             return None
+        if found.id in getattr(self.host.models, "forwards", {}):  # another instance answers it: no load here
+            return None
         if getattr(found, "type", None) not in LOADS_WEIGHTS:  # an upstream or a Pipe: nothing to wait for,
             return None                                       # and its refusal is still an HTTP status (prime)
         if chain.state.routing is not None and chain.state.routing.routed:

@@ -26,7 +26,7 @@ from localm.sdk.chat import Call, ChatRequest, Piece, Reasoning, Status
 from localm.sdk.fields import Reader
 
 from . import schema, scoring
-from .models import list_models, read_model
+from .models import list_models, read_model, route_model, unroute_model
 from .rerank import rerank_route
 
 log = logging.getLogger("localm.plugin.openai")
@@ -284,4 +284,5 @@ def startup(host, plugin):
 
 @sdk.hookimpl
 def register_routes(register):
-    register(chat_completions, completions, embeddings, rerank_route, list_models, read_model)
+    register(chat_completions, completions, embeddings, rerank_route, list_models, read_model, route_model,
+             unroute_model)

@@ -48,9 +48,66 @@ async def list_models(request: sdk.Request) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
+#: The peer-route paths under a model (``/v1/models/{model}/peer-offer`` and ``/peer-route``): a
+#: model's id takes the rest of the path here, so they are answered through the ``peers`` service
+#: (the remote plugin's) from this plugin's routes.
+PEER_OFFER, PEER_ROUTE = "/peer-offer", "/peer-route"
+
+
+def _peers(request: sdk.Request) -> Any:
+    host = sdk.host_of(request)
+    if not host.has_service("peers"):
+        raise sdk.LocalmError(404, "Peer routes need the remote plugin (localm plugin enable remote)",
+                              code="not_found")
+    return host.service("peers")
+
+
+def _peer_path(model_id: str, suffix: str) -> str | None:
+    name = model_id.lstrip("/")
+    return name[: -len(suffix)] if name.endswith(suffix) and len(name) > len(suffix) else None
+
+
+_PEER_ROUTE_ERRORS = {400: "An empty instance_id, or no model to route", 403: "That instance refused the key, or did "
+                      "not answer the check", 409: "That instance is not live, no longer has the model loaded, is not "
+                      "on loopback, or would record chats in a mode this instance's does not allow",
+                      422: "No instance_id field", 504: "A check took too long"}
+
+
+@sdk.post("/v1/models/{model_id:path}", scope="models:write", error_family="openai",
+          summary="POST /v1/models/{model}/peer-route: forward this model's chats to another instance on this machine",
+          errors={**_PEER_ROUTE_ERRORS, 404: "Not a peer-route path"},
+          subpaths={"/v1/models/{model}/peer-route": "Accept a peer offer: forward this model's chats to another "
+                                                     "instance on this machine"})
+async def route_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
+    """Body ``{"instance_id", "api_key"}`` (api_key empty for an instance with no key): an offer
+    from GET /v1/models/{model}/peer-offer, accepted. The route lives in memory only."""
+    model = _peer_path(model_id, PEER_ROUTE)
+    if model is None:
+        raise sdk.LocalmError(404, f"No route POST /v1/models/{model_id.lstrip('/')}", code="not_found")
+    body = await sdk.json_body(request, max_bytes=65536)
+    return await _peers(request).route(model, body)
+
+
+@sdk.delete("/v1/models/{model_id:path}", scope="models:write", error_family="openai",
+            summary="DELETE /v1/models/{model}/peer-route: stop forwarding this model to another instance",
+            errors={404: "Not a peer-route path"},
+            subpaths={"/v1/models/{model}/peer-route": "Stop forwarding this model to another instance"})
+async def unroute_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
+    model = _peer_path(model_id, PEER_ROUTE)
+    if model is None:
+        raise sdk.LocalmError(404, f"No route DELETE /v1/models/{model_id.lstrip('/')}", code="not_found")
+    return await _peers(request).unroute(model)
+
+
 @sdk.get("/v1/models/{model_id:path}", scope="models:read", access="open_read", error_family="openai",
-         summary="One registered model's details")
+         summary="One registered model's details (and GET /v1/models/{model}/peer-offer: whether another "
+                 "instance on this machine has it loaded)",
+         errors={504: "peer-offer: the lookup took too long"},
+         subpaths={"/v1/models/{model}/peer-offer": "Whether another instance on this machine has this model loaded"})
 async def read_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
+    offered = _peer_path(model_id, PEER_OFFER)
+    if offered is not None and sdk.host_of(request).models.registry.find(model_id.lstrip("/")) is None:
+        return await _peers(request).offer(offered)
     models = sdk.host_of(request).models
     entry = models.registry.get(model_id.lstrip("/"))
     out = _summary(models, entry) | {
@@ -65,6 +122,9 @@ async def read_model(request: sdk.Request, model_id: str) -> dict[str, Any]:
         out["vision"] = bool(caps["vision"])
         out["audio_input"] = bool(caps.get("audio_input"))
     out["capabilities"] = caps
+    routed = getattr(models, "forward_info", {}).get(entry.id)
+    if routed is not None:  # an accepted peer route forwards it to another instance
+        out["peer_route"] = routed["peer"]
     resident = models.resident.get(entry.id)
     applied = getattr(resident.engine, "adapters", None) if resident is not None else None
     if applied or entry.adapters:  # the LoRA adapters it loads with (applied now, when loaded): each

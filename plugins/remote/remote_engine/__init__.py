@@ -55,6 +55,8 @@ HONOURS: dict[str, frozenset[str]] = {
     "sglang": frozenset({"logprobs", "json_schema", "json_object", "tools", "seed", "embeddings", "tokenize",
                          "usage"}),
     "openai": frozenset({"logprobs", "json_schema", "json_object", "tools", "seed", "embeddings", "usage"}),
+    # another localm instance on this machine (a peer route: peers.py)
+    "localm": frozenset({"logprobs", "json_schema", "json_object", "tools", "seed", "embeddings", "usage"}),
 }
 
 #: The request fields that go to the upstream as the client wrote them.
@@ -704,3 +706,6 @@ def register_model_providers(register, plugin):
 
     for scheme in ("openai+http", "openai+https"):
         register(scheme, pull, forget=forget, describe=source.describe)
+
+
+from .peers import startup  # noqa: E402,F401 - provides the peers service (peers.py), hooked from the entry module
