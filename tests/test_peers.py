@@ -204,6 +204,60 @@ def test_b_routes_to_a_and_every_surface_forwards(pair: Any) -> None:
     assert pair["a"].log().count("/v1/chat/completions") >= 5  # every surface reached A as a chat or completion
 
 
+def test_a_route_never_records_more_than_b_s_session_mode(pair: Any) -> None:
+    """B records in metadata mode (the default). A in full mode lowers to B's mode for its
+    owner key (the route accepted above), so a chat through B is kept as metadata there; a
+    non-owner key holds A to its own mode: accepting is a 409 with nothing stored, and once
+    A raises its mode under an accepted route, the next forwarded request is a 409 with
+    nothing sent and the route kept."""
+    model, hi = pair["model"], [{"role": "user", "content": "Remember the word turnip."}]
+    a_id = _entries(pair["runtime"])[pair["a"].pid]["instance_id"]
+    client = openai.OpenAI(base_url=pair["b"].url + "/v1", api_key="none", max_retries=0)
+
+    def a_mode(mode: str) -> None:
+        with pair["a"].client(KEY_A) as ca:
+            assert ca.patch("/v1/config", json={"session_mode": mode}).status_code == 200
+
+    def a_chats() -> int:
+        return pair["a"].log().count("POST /v1/chat/completions")
+
+    a_mode("full")
+    try:
+        with pair["b"].owner() as b:
+            assert b.get("/api/models").json()["peer_routes"][0]["model"] == model  # the owner key's route
+        client.chat.completions.create(model=model, messages=hi, max_tokens=4)
+        with pair["a"].client(KEY_A) as ca:
+            turn = ca.get("/api/session/log", params={"limit": 1}).json()["turns"][0]
+        assert turn["mode"] == "metadata" and turn["user"] is None and turn["reply"] is None, turn
+        with pair["a"].client(KEY_A) as ca:
+            other = ca.post("/v1/keys", json={"name": "peer", "scopes": ["chat", "models:read"]}).json()["key"]
+        with pair["b"].owner() as b:
+            assert b.delete(f"/v1/models/{model}/peer-route").json()["was_routed"] is True
+            refused = b.post(f"/v1/models/{model}/peer-route", json={"instance_id": a_id, "api_key": other})
+            assert refused.status_code == 409 and "full" in refused.text, refused.text
+            assert b.get("/api/models").json()["peer_routes"] == []
+        a_mode("metadata")
+        with pair["b"].owner() as b:
+            accepted = b.post(f"/v1/models/{model}/peer-route", json={"instance_id": a_id, "api_key": other})
+            assert accepted.status_code == 200, accepted.text
+        assert client.chat.completions.create(model=model, messages=hi, max_tokens=4).choices[0].message.content
+        a_mode("full")
+        before = a_chats()
+        with pytest.raises(openai.APIStatusError) as disagreed:
+            client.chat.completions.create(model=model, messages=hi, max_tokens=4)
+        assert disagreed.value.status_code == 409 and a_id in str(disagreed.value) and "full" in str(disagreed.value)
+        assert a_chats() == before  # nothing was sent
+        with pair["b"].owner() as b:
+            assert b.get("/api/models").json()["peer_routes"][0]["model"] == model  # the route stays
+            assert b.get("/api/models/loaded").json()["models"] == []
+    finally:
+        a_mode("metadata")
+        with pair["b"].owner() as b:  # the owner key's route again, for the tests after this one
+            b.delete(f"/v1/models/{model}/peer-route")
+            assert b.post(f"/v1/models/{model}/peer-route",
+                          json={"instance_id": a_id, "api_key": KEY_A}).status_code == 200
+
+
 def test_cooperate_unload_frees_a_idle_model(pair: Any) -> None:
     entries = _entries(pair["runtime"])
     a_info, b_info = entries[pair["a"].pid], entries[pair["b"].pid]

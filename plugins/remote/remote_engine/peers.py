@@ -10,7 +10,9 @@
   the model manager's ``forward`` answers the model with a :class:`PeerEngine`.
 - :class:`PeerEngine` is the remote engine pointed at that instance (its own name for the
   model, the key accepted), so every surface forwards, streamed or not, and a client that
-  leaves closes the stream there. Before each request it checks the session mode again: a
+  leaves closes the stream there. Every forwarded request carries X-Localm-Session-Mode. An
+  instance that had no key, or was given its owner key, honours that header, so nothing more
+  is asked; with any other key the session mode is checked again before each request: a
   disagreement is a 409 naming the instance and its mode (nothing sent, the route stays); no
   answer or a refused key drops the route, and that request is a 502 naming the instance.
 """
@@ -166,6 +168,19 @@ async def check_session(base: str, key: str, mode: str, *, client: Any = None) -
     return data
 
 
+async def is_owner(base: str, key: str) -> bool:
+    """Whether ``key`` is the owner key of the instance at ``base`` (GET /whoami); False when
+    it cannot tell."""
+    if not key:
+        return False
+    try:
+        async with httpx.AsyncClient(timeout=CHECK_TIMEOUT, verify=False) as client:  # noqa: S501 - loopback
+            answer = await client.get(base + "/whoami", headers={"Authorization": f"Bearer {key}"})
+        return answer.status_code == 200 and answer.json().get("owner") is True
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
 def key_refused(session: dict[str, Any]) -> bool:
     return bool(session.get("required")) and not session.get("authed")
 
@@ -213,7 +228,8 @@ async def _accept(host: Any, entry: Any, data: RouteBody) -> dict[str, Any]:
                                    f"this instance's {mode} allows", code="session_mode_disagrees")
     info = {"model": entry.id, "peer": {**peer.public(), "model": entry.id, "peer_model": theirs["model"]}}
     settings = host.settings("remote")
-    engine = PeerEngine(host, entry, peer, theirs, data.api_key, settings)
+    honoured = not session.get("required") or await is_owner(peer.base, data.api_key)
+    engine = PeerEngine(host, entry, peer, theirs, data.api_key, settings, honoured=honoured)
     host.models.forward(entry.id, engine, info, plugin="remote")
     return {"status": "routed", **info}
 
@@ -240,9 +256,12 @@ class PeerEngine(RemoteEngine):
     engine = "peer"
 
     def __init__(self, host: Any, entry: Any, peer: Any, theirs: dict[str, Any], key: str,
-                 settings: dict[str, Any]) -> None:
+                 settings: dict[str, Any], *, honoured: bool = False) -> None:
         self._host = host
         self.peer = peer
+        #: the peer lowers its mode to the X-Localm-Session-Mode every forwarded request carries:
+        #: it had no key, or the key is its owner's (a key it stops taking ends the route)
+        self.honoured = honoured
         self._mode = host.setting("session_mode") or "none"
         super().__init__(_PeerEntry(entry, peer, theirs), settings, key or None)
         self._set_mode(self._mode)
@@ -270,6 +289,8 @@ class PeerEngine(RemoteEngine):
         if mode != self._mode:
             self._set_mode(mode)
         if mode == "full":  # nothing to agree on; a peer gone or a key refused shows on the request itself
+            return
+        if self.honoured:  # the request's own header holds the peer to this mode (the spec's owner/no-key rule)
             return
         try:
             session = await check_session(self.base[:-3], self._key or "", mode, client=self._client)
