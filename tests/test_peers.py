@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ollama
 import openai
 import pytest
 
@@ -185,14 +186,12 @@ def test_b_routes_to_a_and_every_surface_forwards(pair: Any) -> None:
     assert streamed
     text = client.completions.create(model=model, prompt="The sky is", max_tokens=5)
     assert text.choices[0].text is not None
-    with httpx.Client(base_url=pair["b"].url, timeout=60) as b:  # the Ollama surface, streamed and not
-        chat = b.post("/api/chat", json={"model": model, "messages": [{"role": "user", "content": "Hi"}],
-                                         "stream": False, "options": {"num_predict": 6}})
-        assert chat.status_code == 200, chat.text
-        assert chat.json()["message"]["content"]
-        lines = [json.loads(line) for line in b.post("/api/generate", json={
-            "model": model, "prompt": "Hello", "options": {"num_predict": 5}}).text.splitlines() if line]
-        assert lines[-1]["done"] is True
+    ollama_client = ollama.Client(host=pair["b"].url)  # the Ollama surface, streamed and not
+    chat = ollama_client.chat(model=model, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 6})
+    assert chat.message.content
+    parts = list(ollama_client.generate(model=model, prompt="Hello", options={"num_predict": 5}, stream=True))
+    assert parts[-1].done is True and "".join(p.response for p in parts)
+    with httpx.Client(base_url=pair["b"].url, timeout=60) as b:
         anthropic = b.post("/v1/messages", json={"model": model, "max_tokens": 6,
                                                  "messages": [{"role": "user", "content": "Hi"}]})
         assert anthropic.status_code == 200, anthropic.text
