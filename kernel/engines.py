@@ -501,7 +501,12 @@ class ChatEngine(LoadedModel, Protocol):
 @runtime_checkable
 class MediaEngine(ChatEngine, Protocol):
     """A chat engine whose model sees images (``capabilities.vision``) or hears sound
-    (``capabilities.audio``): it places :class:`Media` in a prompt (``GenerateRequest.media``)."""
+    (``capabilities.audio``): it places :class:`Media` in a prompt (``GenerateRequest.media``).
+
+    Optionally, ``media_device`` (``"gpu"`` or ``"cpu"``) says where it encodes media: a
+    streamed reply's status while it does is ``encoding_image_gpu`` / ``encoding_image_cpu``
+    (``encoding_audio_*`` for sound); without it, ``encoding_image`` (and for sound
+    ``encoding_audio_cpu``)."""
 
     #: The text a chat template gets where a message holds an image or a sound; the prompt is
     #: tokenized around it and each marker becomes a :class:`MediaSpan`.

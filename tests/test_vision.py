@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from conftest import TEST_STORE
 from localm.sdk.testing import offline_cli
 
 openai = pytest.importorskip("openai")
@@ -44,9 +45,10 @@ def server(localm_module_server: Any, tmp_path_factory: pytest.TempPathFactory) 
     def prepare(data: Path) -> None:  # the default model, and the same weights paired with a projector
         offline_cli(data, "pull", str(mmproj_fixtures.smollm2_gguf()), "--name", VISION, "--mmproj", str(projector))
         (data / "config.json").write_text(json.dumps({"plugins": {"llamacpp": {"n_threads": 1}}}))
+        offline_cli(data, "plugin", "install", str(TEST_STORE / "slowinlet"))  # holds a stream open early
 
     return localm_module_server(prepare=prepare, plugins=["chat", "llamacpp", "openai", "ollama", "anthropic",
-                                                          "responses"])
+                                                          "responses", "slowinlet"])
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,23 @@ def test_the_registry_pairs_the_projector_and_says_the_model_sees(server: Any) -
     assert httpx.get(f"{server.url}/v1/models/{TEXT}", headers=owner).json()["vision"] is False
     shown = httpx.post(f"{server.url}/api/show", json={"model": VISION}).json()
     assert "vision" in shown["capabilities"]
+
+
+def test_a_stream_open_while_its_request_is_prepared_says_it_is_encoding_the_image(server: Any) -> None:
+    """An inlet hook slower than the opening delay opens the stream; what follows (the picture
+    encoded on the CPU) is said live, before the reply."""
+    body = {"model": VISION, "max_tokens": 2, "stream": True, "slow": 0.7,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                      {"type": "image_url", "image_url": {"url": data_uri(7)}}]}]}
+    with httpx.Client(base_url=server.url, timeout=120) as c, \
+            c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    codes = [e["choices"][0]["delta"].get("status_code") for e in events if e.get("choices")]
+    codes = [c for c in codes if c]
+    assert codes[:2] == ["chat_hooks", "slowinlet"], codes
+    assert codes.index("processing") < codes.index("encoding_image_cpu") < len(codes) - 1, codes
+    assert [e["choices"][0]["finish_reason"] for e in events if e.get("choices")][-1] == "length"
 
 
 def test_openai_a_picture_changes_the_reply_and_counts_its_positions(client: Any) -> None:

@@ -692,6 +692,11 @@ class LlamaEngine:
         projector = self._media_projector(media)
         return (await asyncio.to_thread(projector.encode, media)).tokens
 
+    @property
+    def media_device(self) -> str:
+        """Where the projector encodes images and sound: ``gpu`` or ``cpu``."""
+        return "gpu" if self._projector is not None and self._projector.on_gpu else "cpu"
+
     def _media_projector(self, media: spec.Media) -> Any:
         """The projector that takes ``media``; EngineError when this model has none for its kind."""
         projector = self._projector

@@ -197,6 +197,8 @@ class Projector:
             raise spec.EngineError(f"{name} is not a projector (a GGUF whose architecture is clip"
                                    + (f"; it says {arch})" if arch else ")"))
         self.width = width
+        #: whether it encodes on the GPU (with the model's layers)
+        self.on_gpu = bool(gpu)
         self.marker = new_marker()
         self._ctx: Any = None
         self._lock = threading.Lock()

@@ -634,6 +634,11 @@ class TransformersEngine:
             return f"{self._name} has a vision tower, but its chat template writes no image token: it serves text only"
         return f"{self._name} does not see images or hear sound"
 
+    @property
+    def media_device(self) -> str:
+        """Where pictures and sound are encoded: ``gpu`` or ``cpu`` (the model's device)."""
+        return "cpu" if self._device.type == "cpu" else "gpu"
+
     async def media_tokens(self, media: spec.Media) -> int:
         """How many positions ``media`` takes: the length of the processor's expansion of one
         marker with this picture. The picture is decoded and preprocessed here, off the event

@@ -1128,7 +1128,7 @@ class ChatService:
         return sdk.report_ignored(unused, headers, where, log=log)
 
     @staticmethod
-    async def _place_media(engine: Any, media: list[dict[str, Any]], places: list[str]
+    async def _place_media(engine: Any, media: list[dict[str, Any]], places: list[str], live: Live | None = None
                            ) -> tuple[tuple[spec.Media, int], ...]:
         """Ask the engine how many positions each image or sound takes (it encodes them now),
         numbering the parts for the prompt's placeholders: the Plan's media table. A model that
@@ -1151,6 +1151,13 @@ class ChatService:
                 fmt = part["format"]
                 part["media"] = sdk.media.audio_from_base64(part["data"], fmt if isinstance(fmt, str) else "",
                                                             part["at"])
+            if live is not None:  # an open stream says so while it encodes
+                device = getattr(engine, "media_device", None)
+                kind = "image" if part["type"] == "image" else "audio"
+                live.enter(f"encoding_{kind}_{device}" if device in ("gpu", "cpu") else
+                           "encoding_image" if kind == "image" else "encoding_audio_cpu",
+                           f"Encoding {'an image' if kind == 'image' else 'audio'}"
+                           + (f" on the {device.upper()}" if device in ("gpu", "cpu") else ""))
             try:
                 tokens = await engine.media_tokens(part["media"])
             except spec.EngineError as exc:
@@ -1158,6 +1165,8 @@ class ChatService:
                 raise sdk.LocalmError(400, f"{part['at']}: {exc}", code=code, param=part["at"]) from None
             part["slot"], part["tokens"] = slot, tokens
             table.append((part["media"], tokens))
+        if live is not None:
+            live.enter("processing", "Preparing the request")
         return tuple(table)
 
     @staticmethod
@@ -1220,7 +1229,7 @@ class ChatService:
                 if common.stream:
                     await generation.prime()
                 return generation
-            placed = await self._place_media(engine, media or [], chain.state.media)
+            placed = await self._place_media(engine, media or [], chain.state.media, chain.state.live)
             constraint = options.constraint()
             if constraint is not None:
                 if not caps.grammar:
