@@ -6,8 +6,9 @@
   tie-breakers, and put in front of the conversation as a system note.
 - Capture (after every reply): the user's own line of the turn is logged to its session.
 - Consolidation (on request, and every ``consolidate_every`` minutes): the loaded chat model
-  reads the sessions' lines and answers, under a JSON schema, with durable facts; a new fact
-  that contradicts a saved one becomes a correction proposal, never an overwrite.
+  reads the sessions' lines (those memory captured, and the owner's own lines the kernel's
+  session log keeps in full mode) and answers, under a JSON schema, with durable facts; a new
+  fact that contradicts a saved one becomes a correction proposal, never an overwrite.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ SIMILAR = 0.86  # a new fact this close to a saved one, but not the same, is a c
 #: Long enough for the schema's whole document at ordinary sentence lengths; a reply cut here
 #: still gives the facts it finished (see ``salvage_facts``).
 REPLY_TOKENS = 1024
+#: The most session-log lines one consolidation reads (the newest since the last one)
+LOGGED_LINES = 200
 #: Recall reads this much of the user's latest message (its end, where a question usually is)
 #: and searches for at most this many of its words: a long message costs no more than this.
 QUERY_CHARS = 2000
@@ -388,10 +391,42 @@ class Memory:
                                        "with POST /v1/models/load)", code="no_model_loaded")
         return name
 
+    def logged_lines(self) -> tuple[list[dict[str, Any]], float]:
+        """The owner's own lines the kernel's session log kept (full mode) since the last
+        consolidation read it, oldest first, and the time of the newest (the next cursor).
+        Lines of other keys' chats are not the owner's memory; a log that cannot be read
+        gives none."""
+        with self.store.connect() as conn:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'session_log_since'").fetchone()
+        since = float(row[0]) if row else 0.0
+        try:
+            lines = self.host.session_log.user_lines(owner="owner", since=since, limit=LOGGED_LINES)
+        except sdk.LocalmError as exc:
+            log.info("memory: the session log was not read: %s", exc.detail)
+            return [], since
+        return lines, max([since, *(line["at"] for line in lines)])
+
+    def open_lines(self) -> tuple[list[dict[str, Any]], list[Any], float]:
+        """What consolidation reads: the lines memory captured itself and the owner's lines in
+        the session log, each text once, oldest first; with the captured rows to mark read
+        and the session log's next cursor."""
+        turns = self.store.open_turns()
+        logged, cursor = self.logged_lines()
+        seen: set[str] = set()
+        lines = []
+        for line in sorted([{"text": t["text"], "at": t["created"]} for t in turns]
+                           + [{"text": line["text"][:LINE_CHARS], "at": line["at"]} for line in logged],
+                           key=lambda line: line["at"]):
+            key = " ".join(line["text"].casefold().split())
+            if key and key not in seen:
+                seen.add(key)
+                lines.append(line)
+        return lines, [t["rowid"] for t in turns], cursor
+
     async def consolidate(self) -> dict[str, Any]:
         self.check_writable()
         async with self.consolidating:
-            turns = await asyncio.to_thread(self.store.open_turns)
+            turns, done, cursor = await asyncio.to_thread(self.open_lines)
             if not turns:
                 return {"status": "skipped", "reason": "no_sessions", "added": 0}
             model = self.chat_model()
@@ -420,11 +455,12 @@ class Memory:
                 facts = salvage_facts(reply.text, schema)
                 cut = facts is not None
             out = await self.apply(facts, rows)
-            done = [t["rowid"] for t in turns]
 
             def consume() -> None:
                 with self.store.write() as conn:
                     conn.executemany("UPDATE turns SET consumed = 1 WHERE rowid = ?", [(r,) for r in done])
+                    conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('session_log_since', ?)",
+                                 (repr(cursor),))
             await asyncio.to_thread(consume)
             return {"status": "done" if facts is not None else "invalid_output", "truncated": cut, **out}
 
@@ -499,7 +535,7 @@ class Memory:
             if not minutes or not self.writable:
                 continue
             try:
-                if await asyncio.to_thread(self.store.open_turns):
+                if (await asyncio.to_thread(self.open_lines))[0]:
                     self.chat_model()
 
                     async def run(ctx: Any) -> dict[str, Any]:

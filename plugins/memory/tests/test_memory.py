@@ -448,6 +448,38 @@ def test_a_consolidation_reply_cut_at_max_tokens_keeps_its_finished_facts(
     assert sorted(texts(owner)) == sorted(f["text"] for f in facts[:whole])
 
 
+def test_consolidation_reads_the_owners_own_lines_from_the_session_log(owner: httpx.Client, mem: LocalmServer) -> None:
+    """In full session mode the kernel's session log keeps each turn's user line; consolidation
+    reads the owner's from there (here with memory's own capture off), never another key's,
+    and each line once."""
+    db = mem.data_dir / "plugin-data" / "memory" / "memory.db"
+    folder = mem.data_dir / "plugin-data" / "scribe"
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE turns SET consumed = 1")
+    assert owner.post("/v1/plugins/memory/settings", json={"capture": False}).status_code == 200
+    assert owner.patch("/v1/config", json={"session_mode": "full"}).status_code == 200
+    try:
+        guest = owner.post("/v1/keys", json={"name": "guest", "scopes": ["models:read"]}).json()["key"]
+        (folder / "reply.txt").write_text("ok")
+        said = {"model": "scribe-1", "messages": [{"role": "user", "content": "I keep three ferrets named after "
+                                                                               "composers."}]}
+        assert owner.post("/v1/chat/completions", json=said).status_code == 200
+        with mem.client(guest) as g:
+            assert g.post("/v1/chat/completions", json={"model": "scribe-1", "messages": [
+                {"role": "user", "content": "The guest's password is swordfish."}]}).status_code == 200
+        (folder / "reply.txt").write_text(json.dumps({"facts": []}))
+        assert owner.post("/v1/plugins/memory/settings", json={"consolidate_model": "scribe-1"}).status_code == 200
+        done = owner.post("/api/memory/consolidate")
+        assert done.status_code == 200 and done.json()["status"] == "done", done.text
+        shown = json.loads((folder / "seen.json").read_text())["messages"][-1]["content"]
+        assert shown.count("I keep three ferrets named after composers.") == 1 and "swordfish" not in shown, shown
+        assert owner.post("/api/memory/consolidate").json()["reason"] == "no_sessions"  # read once
+    finally:
+        owner.patch("/v1/config", json={"session_mode": "metadata"})
+        owner.post("/v1/plugins/memory/settings", json={"capture": True, "consolidate_model": None})
+        (folder / "reply.txt").unlink(missing_ok=True)
+
+
 def test_parse_and_salvage_take_only_the_schemas_document() -> None:
     service = plugin_module("memory", "memory.service")
     schema = service.fact_schema(["mem_a"])
