@@ -196,6 +196,16 @@ class Memory:
             return False
         return True
 
+    def will_download(self) -> bool:
+        """Whether the next embedding first fetches the embedding model (its package is here)."""
+        if not self.can_download():
+            return False
+        try:
+            md.distribution(INTERNAL[self.embedder_name()].split(":", 1)[1])
+        except md.PackageNotFoundError:
+            return False
+        return True
+
     async def embedder(self) -> tuple[Any, str | None]:
         """(the embedding model's registry entry, None), or (None, the degrade reason)."""
         name = self.embedder_name()
@@ -328,6 +338,8 @@ class Memory:
         started = time.perf_counter()
         if await self.rows():  # with nothing stored there is no recall to wait for
             context.status("recalling_memory", "Recalling memories")
+            if self.will_download():
+                context.status("downloading_embedder", "Getting the embedding model memory recall needs")
         facts, reason = await self.recall(words[-1][-QUERY_CHARS:], int(self.settings.get("recall_k", 5)))
         ms = round((time.perf_counter() - started) * 1000, 2)
         shown = [{"id": f["id"], "text": shorten(f["text"], HEADER_CHARS)} for f in facts]

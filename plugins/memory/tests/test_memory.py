@@ -329,6 +329,30 @@ def test_no_embedding_model_degrades_to_words_and_says_no_embedder(owner: httpx.
     assert [i["text"] for i in memory_header(r)["items"]] == ["The user has a brother in Oslo."]
 
 
+def test_the_first_recall_fetches_the_embedder_and_a_stream_says_so(server: Any) -> None:
+    """Facts saved while no embedder was there; the first chat that recalls them fetches the
+    default embedding model (from its installed package), and a streamed reply says so."""
+    s = server(plugins=["chat", "llamacpp", "transformers", "memory"])
+    with s.owner() as owner:
+        owner.timeout = 180
+        assert owner.post("/v1/plugins/memory/settings", json={"embedding_model": "no-such-embedder"}).status_code == 200
+        assert owner.put("/api/memory", json={"text": "The user's locker code is 4471."}).status_code == 200
+        assert owner.post("/v1/plugins/memory/settings", json={"embedding_model": None}).status_code == 200
+        assert owner.get("/api/memory").json()["can_download_embedder"] is True
+        body = {"model": CHAT_MODEL, "max_tokens": 2, "stream": True,
+                "messages": [{"role": "user", "content": "What is my locker code?"}]}
+        with owner.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        codes = [e["choices"][0]["delta"].get("status_code") for e in events if e.get("choices")]
+        codes = [c for c in codes if c]
+        assert codes.index("recalling_memory") + 1 == codes.index("downloading_embedder"), codes
+        assert owner.get("/api/memory").json()["can_download_embedder"] is False  # fetched once
+        with owner.stream("POST", "/v1/chat/completions", json=body) as r:
+            again = [line for line in r.iter_lines() if line.startswith("data: {")]
+        assert "downloading_embedder" not in "".join(again)
+
+
 # --- consolidation and corrections -------------------------------------------------------------------
 
 def test_consolidation_on_smollm2_stores_only_schema_valid_facts(owner: httpx.Client, mem: LocalmServer) -> None:
