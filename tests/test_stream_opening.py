@@ -133,6 +133,18 @@ def test_a_slow_inlet_hook_opens_the_stream_and_its_statuses_arrive_while_it_run
     assert [e["choices"][0]["finish_reason"] for _, e in events if e.get("choices")][-1] in ("stop", "length")
 
 
+def test_a_constrained_request_says_checking_grammar_while_its_stream_is_open(server: Any) -> None:
+    loaded(server)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    r, events = timed_events(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": HI, "max_tokens": 8, "stream": True, "slow": 0.7,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    assert r.status_code == 200
+    codes = [e["choices"][0]["delta"].get("status_code") for _, e in events if e.get("choices")]
+    codes = [c for c in codes if c]
+    assert codes.index("processing") < codes.index("checking_grammar"), codes
+
+
 def test_a_refusal_after_a_slow_inlet_hook_travels_in_band_on_the_error_and_final_chunks(server: Any) -> None:
     loaded(server)
     r, events = timed_events(server, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 4,

@@ -1235,7 +1235,12 @@ class ChatService:
                 if not caps.grammar:
                     raise sdk.LocalmError(400, f"The {engine.engine} engine cannot constrain output",
                                           code="response_format_unsupported")
+                live = chain.state.live
+                if live is not None:
+                    live.enter("checking_grammar", "Checking the output grammar")
                 engine.check_constraint(constraint)
+                if live is not None:
+                    live.enter("processing", "Preparing the request")
             if options.logprobs is not None and not caps.logprobs:
                 raise sdk.LocalmError(400, f"The {engine.engine} engine does not report log probabilities",
                                       code="field_not_honoured", field=chat_request.origins.name("logprobs"))
