@@ -127,8 +127,11 @@ def test_a_slow_inlet_hook_opens_the_stream_and_its_statuses_arrive_while_it_run
     assert all(at < 1.5 for at, code in statuses[:2]), statuses  # live: long before the hook's 2 s end
     first_text = min(at for at, e in events if e.get("choices") and e["choices"][0]["delta"].get("content"))
     assert first_text >= 2.0
-    # the hook's header was set after the stream opened: it comes in localm_headers
-    assert any((e.get("localm_headers") or {}).get("X-Slowinlet") == "done" for _, e in events), events[-3:]
+    # the hook's header was set after the stream opened: it comes in localm_headers, in a chunk
+    # with an empty delta before the reply
+    [late] = [i for i, (_, e) in enumerate(events) if (e.get("localm_headers") or {}).get("X-Slowinlet") == "done"]
+    assert events[late][1]["choices"][0]["delta"] == {}
+    assert late < min(i for i, (_, e) in enumerate(events) if e.get("choices") and e["choices"][0]["delta"].get("content"))
     assert "x-slowinlet" not in r.headers and r.headers["x-localm-session-mode"]
     assert [e["choices"][0]["finish_reason"] for _, e in events if e.get("choices")][-1] in ("stop", "length")
 

@@ -130,7 +130,14 @@ async def chat_completions(request: sdk.Request) -> Any:
         refused, replied = None, False
         try:
             async for item in gen.items():
-                replied = replied or not isinstance(item, Status)
+                if not replied and not isinstance(item, Status):
+                    replied = True
+                    late = gen.extra.pop("localm_headers", None)
+                    if late:  # headers decided after the stream opened: one chunk before the reply
+                        yield _event({"id": ident, "object": "chat.completion.chunk", "created": created,
+                                      "model": gen.model, "localm_headers": late,
+                                      "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                   "finish_reason": None}]})
                 if isinstance(item, Piece):
                     logprobs = None
                     if asked.logprobs is not None:
