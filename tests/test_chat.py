@@ -361,12 +361,27 @@ def test_ignored_fields_are_reported_and_strict_mode_refuses_them(server: Localm
     ("/v1/chat/completions", "modalities", ["text", "audio"]), ("/v1/chat/completions", "audio", {"voice": "x"}),
     ("/v1/completions", "response_format", {"type": "json_object"}), ("/v1/completions", "tools", [{"type": "x"}]),
     ("/v1/completions", "top_logprobs", 2), ("/v1/embeddings", "logprobs", 2), ("/v1/embeddings", "dimensions", 8),
+    ("/v1/completions", "best_of", 3), ("/v1/completions", "suffix", " and the end."),
 ])
 def test_fields_that_cannot_be_honoured_are_refused_before_loading(server: LocalmServer, path: str, field: str,
                                                                    value: Any) -> None:
     body = {"model": "not-even-registered", "messages": QUESTION, "prompt": "x", "input": "x", field: value}
     r = httpx.post(server.url + path, json=body)
     assert r.status_code == 400 and r.json()["code"] == "field_not_honoured" and r.json()["field"] == field
+
+
+def test_completions_refuse_echo_with_logprobs_and_take_the_no_change_values(server: LocalmServer) -> None:
+    refused = httpx.post(server.url + "/v1/completions", json={"model": "not-even-registered", "prompt": "Hi",
+                                                               "echo": True, "logprobs": 2})
+    assert refused.status_code == 400 and refused.json()["field"] == "echo", refused.text
+    for field, value in (("prompt", ["one", "two"]), ("prompt", [[1, 2, 3]]), ("n", 2)):
+        body = {"model": "not-even-registered", "prompt": "Hi", field: value}
+        r = httpx.post(server.url + "/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["field"] == field, r.text
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 2, "best_of": 1, "suffix": "", "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("Hi"), r.text
+    assert "x-localm-ignored-fields" not in r.headers
 
 
 def test_ignored_fields_header_is_capped(server: LocalmServer) -> None:

@@ -61,6 +61,8 @@ def _no_change(key: str, value: Any) -> bool:
         "functions": value == [],
         "modalities": value == ["text"],
         "n": value == 1,
+        "best_of": value == 1,
+        "suffix": value == "",
     }.get(key, False)
 
 
@@ -72,6 +74,8 @@ NOT_HONOURED = {
     "tool_choice": "tool calling is served on chat completions",
     "parallel_tool_calls": "tool calling is served on chat completions",
     "logit_bias": "token ids differ between models",
+    "best_of": "one completion is generated and returned: leave best_of at 1",
+    "suffix": "no model here fills in the middle: send the prompt alone",
     "functions": "the deprecated function-calling fields are not served: send tools",
     "function_call": "the deprecated function-calling fields are not served: send tools and tool_choice",
     "audio": "audio output is not served",

@@ -54,7 +54,8 @@ def read_common(r: Reader) -> Common:
     include_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
     n = r.get("n", (int,), "an integer", 1)
     if n != 1:
-        raise sdk.LocalmError(400, f"{r.name('n')} must be 1: localm returns one choice per request")
+        raise sdk.LocalmError(400, f"{r.name('n')} must be 1: localm returns one choice per request",
+                              field=r.name("n"))
     max_tokens = r.get("max_tokens", (int,), "an integer")
     max_completion = r.get("max_completion_tokens", (int,), "an integer")
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:

@@ -790,11 +790,17 @@ class ChatService:
             if isinstance(prompt_text, list) and len(prompt_text) == 1 and isinstance(prompt_text[0], str):
                 prompt_text = prompt_text[0]
             if isinstance(prompt_text, list):
-                raise sdk.LocalmError(400, "prompt must be one string (a list of one string is accepted)")
+                raise sdk.LocalmError(400, "prompt must be one string (a list of one string is accepted)",
+                                      field="prompt")
             if not isinstance(prompt_text, str):
                 r.errors.append({"key": "prompt", "message": "must be a string"})
-            r.get("echo", (bool,), "true or false", False)
-            return Parsed(common, prompt_text, read_options(r, "completions"))
+            echo = r.get("echo", (bool,), "true or false", False)
+            options = read_options(r, "completions")
+            if echo and options.logprobs is not None:  # the prompt's tokens are not scored
+                raise sdk.LocalmError(400, "echo cannot be honoured with logprobs on /v1/completions: the prompt's "
+                                           "tokens are not scored (ask for logprobs without echo)",
+                                      code="field_not_honoured", field="echo")
+            return Parsed(common, prompt_text, options)
 
         (common, prompt_text, options), chain, steering, headers, found = await self._admit(
             "completions", asked, read, route=route, request=request, report=report, ignored=ignored,
