@@ -76,6 +76,11 @@ ROUTES = [
     R("GET", "/v1/models", "models:read", access="open_read", own_status=200),
     R("GET", "/v1/models/nope", "models:read", access="open_read", own_status=404),
     R("GET", "/api/models/loaded", "models:read", access="open_read", own_status=200),
+    R("GET", "/api/models", "models:read", access="open_read", own_status=200),
+    # another instance's routes: no bearer key, an instance vouch, which no caller here has
+    R("GET", "/v1/instances/status?nonce=n1", None, access="public", own_status=403),
+    R("POST", "/v1/instances/vouch", None, access="public", own_status=403),
+    R("POST", "/v1/instances/cooperate-unload", None, access="public", own_status=403),
     R("POST", "/v1/models/load?model=nope", "models:write"),
     R("POST", "/v1/models/unload?model=nope", "models:write"),
     R("POST", "/v1/models/rename?model=nope&new_name=x", "models:write"),
