@@ -377,3 +377,28 @@ def test_a_window_change_waits_for_the_running_slots(engine: Any) -> None:
         assert second[-1].reason in ("stop", "length") and second[-1].error is None
         assert engine.capabilities.context_window >= len(big) + 5
     asyncio.run(go())
+
+
+def test_a_greedy_reply_drawn_by_argmax_equals_the_sampler_chains(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the engine draws a plain greedy reply by numpy's argmax over the logits; llama.cpp's
+    # own chain (penalties at their neutral values, then greedy) draws the same tokens
+    greedy = spec.Sampling(temperature=0, max_tokens=48)
+    requests = [spec.GenerateRequest(prompt=prompt_of(engine, question), sampling=greedy, cache_prompt=False)
+                for question in QUESTIONS[:3]]
+
+    def ids(events: list[Any]) -> list[int]:
+        return [event.id for event in events if isinstance(event, spec.Token)]
+
+    async def go() -> list[list[int]]:
+        return [ids(await run(engine, request)) for request in requests]
+    drawn = asyncio.run(go())
+    monkeypatch.setattr(type(engine), "ARGMAX", False)  # every token through the chain
+    assert not engine._greedy(spec.GenerateRequest(prompt=(1,), sampling=greedy), None)
+    assert asyncio.run(go()) == drawn
+    assert all(len(reply) > 8 for reply in drawn)
+    monkeypatch.undo()
+    assert engine._greedy(spec.GenerateRequest(prompt=(1,), sampling=greedy), None)
+    for changed in ({"temperature": 0.7}, {"repeat_penalty": 1.1}, {"frequency_penalty": 0.5},
+                    {"presence_penalty": 0.5}):
+        sampling = spec.Sampling(**{"temperature": 0, **changed})
+        assert not engine._greedy(spec.GenerateRequest(prompt=(1,), sampling=sampling), None), changed
