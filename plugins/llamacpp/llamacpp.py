@@ -1256,8 +1256,8 @@ class LlamaEngine:
             if seq.spec is not None and seq.spec.state is None:
                 seq.spec.history = list(prompt)  # what drafts are drawn from, with the reply as it grows
             seq.started = time.perf_counter()
-            seq.sampler = self._sampler(request, seq.masker)
             seq.greedy = self._greedy(request, seq.masker)
+            seq.sampler = None if seq.greedy else self._sampler(request, seq.masker)
             self._slot_user[slot] = job
             self._running.append(job)
 
