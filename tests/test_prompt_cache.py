@@ -102,6 +102,27 @@ def test_with_one_slot_the_conversation_comes_back_from_host_memory(server: Loca
         owner.post("/v1/models/unload", params={"model": MODEL})
 
 
+def test_a_short_conversation_comes_back_from_host_memory_too(server: LocalmServer) -> None:
+    # a few dozen tokens are worth keeping: copying them costs microseconds a token, reading
+    # them again milliseconds a token on a CPU
+    owner = server.owner()
+    assert owner.post("/v1/plugins/llamacpp/settings", json={"n_parallel": 1}).status_code == 200
+    owner.post("/v1/models/unload", params={"model": MODEL})
+    try:
+        client = client_of(server)
+        first = [{"role": "user", "content": "Write a short story about a keeper who finds a bottle."}]
+        one = ask(client, first)
+        other = ask(client, [{"role": "user", "content": "Name three colours of the rainbow."}])
+        assert cached(other) < one.usage.prompt_tokens  # it took the only slot: the story left it
+        two = ask(client, first + [{"role": "assistant", "content": one.choices[0].message.content},
+                                   {"role": "user", "content": "Shorter, please."}])
+        assert one.usage.prompt_tokens + one.usage.completion_tokens < 100
+        assert cached(two) >= one.usage.prompt_tokens, (cached(two), one.usage.prompt_tokens)
+    finally:
+        owner.post("/v1/plugins/llamacpp/settings", json={"n_parallel": 4})
+        owner.post("/v1/models/unload", params={"model": MODEL})
+
+
 def test_ollama_counts_only_the_prompt_tokens_it_evaluated(server: LocalmServer) -> None:
     client = ollama.Client(host=server.url, timeout=600)
     first = [{"role": "system", "content": "Chat D. " + TOOLS}, {"role": "user", "content": "Which tool?"}]
@@ -223,3 +244,16 @@ def test_the_host_cache_keeps_the_longest_state_within_its_budget() -> None:
     assert cache.add((9,), b"w" * 40)  # over budget: the least recently used (7, 8) goes
     assert [e.tokens for e in cache.entries] == [(1, 2, 3, 4, 5), (9,)]
     assert not cache.add((5,), b"v" * 101)  # larger than the whole budget
+
+
+def test_the_host_cache_keeps_a_bounded_number_of_states() -> None:
+    # every newcomer's prompt is compared with each state: their number is bounded as well as their bytes
+    from localm.plugins.llamacpp.llamacpp import CACHE_ENTRIES, PromptCache, _shared_prefix
+    cache = PromptCache(2**30)
+    head = tuple(range(1000, 1300))  # a long system prompt every state shares
+    for i in range(CACHE_ENTRIES + 5):
+        assert cache.add(head + (i, i), b"s")
+    assert len(cache.entries) == CACHE_ENTRIES and cache.entries[0].tokens == head + (5, 5)
+    entry, n = cache.best(list(head) + [CACHE_ENTRIES + 4, 0])
+    assert entry is not None and entry.tokens[-1] == CACHE_ENTRIES + 4 and n == len(head) + 1
+    assert _shared_prefix(head + (1,), list(head) + [1]) == len(head) + 1  # a tuple against a list

@@ -121,9 +121,12 @@ CLASSIFIER_TENSORS = ("cls.weight", "cls.output.weight")
 
 
 def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
+    """How many leading tokens ``a`` and ``b`` share (compared 64 at a time, then one by one)."""
+    n, end = 0, min(len(a), len(b))
+    if type(a) is type(b):
+        while n + 64 <= end and a[n:n + 64] == b[n:n + 64]:
+            n += 64
+    for x, y in zip(a[n:end], b[n:end]):
         if x != y:
             break
         n += 1
@@ -287,9 +290,17 @@ def _pick_slot(prefix: dict[int, int], busy: list[bool], used: list[float],
 
 
 #: A slot's cache is kept in host memory when a newcomer would drop at least this many of its tokens.
-SAVE_FROM = 256
-#: A state in host memory is restored when it holds at least this many more of the prompt's tokens than the slot.
-RESTORE_FROM = 64
+#: Copying a sequence's state costs microseconds a token where reading a prompt costs milliseconds a
+#: token on a CPU, so a short conversation is worth keeping too (a front end's next turn, a task
+#: sent again with another suffix).
+SAVE_FROM = 16
+#: A state in host memory is restored when it holds at least this many more of the prompt's tokens
+#: than the slot, and at least one in ``RESTORE_COPY`` of the tokens it copies (its whole length:
+#: restoring a long conversation for a few tokens of it would copy more than it saves).
+RESTORE_FROM = 8
+RESTORE_COPY = 64
+#: The host-memory cache keeps at most this many states (a newcomer's prompt is compared with each).
+CACHE_ENTRIES = 256
 #: The first bytes of a persisted prompt-cache file.
 CACHE_MAGIC = b"LOCALMKV\x01"
 
@@ -305,8 +316,8 @@ class _Saved:
 
 
 class PromptCache:
-    """The KV state of sequences that lost their slot, within ``budget`` bytes, the least
-    recently used dropped first. A state covered by a longer one (its tokens are the longer
+    """The KV state of sequences that lost their slot, within ``budget`` bytes and
+    ``CACHE_ENTRIES`` states, the least recently used dropped first. A state covered by a longer one (its tokens are the longer
     one's start) is not kept twice."""
 
     def __init__(self, budget: int) -> None:
@@ -317,6 +328,7 @@ class PromptCache:
     def best(self, prompt: Sequence[int]) -> tuple[_Saved | None, int]:
         """The entry sharing the longest prefix with ``prompt``, and how many tokens it shares."""
         found, most = None, 0
+        prompt = tuple(prompt)
         for entry in self.entries:
             n = _shared_prefix(entry.tokens, prompt)
             if n > most:
@@ -324,6 +336,7 @@ class PromptCache:
         return found, most
 
     def covers(self, tokens: Sequence[int]) -> bool:
+        tokens = tuple(tokens)
         return any(len(e.tokens) >= len(tokens) and _shared_prefix(e.tokens, tokens) == len(tokens)
                    for e in self.entries)
 
@@ -340,7 +353,7 @@ class PromptCache:
         tokens = tuple(tokens)
         for entry in [e for e in self.entries if _shared_prefix(e.tokens, tokens) == len(e.tokens)]:
             self.drop(entry)  # a shorter state this one extends
-        while self.entries and self.size + size > self.budget:
+        while self.entries and (self.size + size > self.budget or len(self.entries) >= CACHE_ENTRIES):
             self.drop(self.entries[0])
         self.entries.append(_Saved(tokens, data))
         self.size += size
@@ -1237,7 +1250,8 @@ class LlamaEngine:
                               {candidate: len(self._slot_tokens[candidate]) for candidate in free})
             shared = prefix[slot]
             entry, kept = self._cache.best(prompt) if reuse and not key and self._cache.entries else (None, 0)
-            if entry is not None and kept >= shared + RESTORE_FROM and len(entry.tokens) < self._n_ctx_slot:
+            if entry is not None and kept - shared >= max(RESTORE_FROM, len(entry.tokens) // RESTORE_COPY) \
+                    and len(entry.tokens) < self._n_ctx_slot:
                 self._keep(slot, 0)
                 if self._restore(slot, entry):
                     shared = kept

@@ -155,12 +155,13 @@ def test_the_prompt_cache_reuses_a_picture_and_never_passes_one_for_another(engi
     chat_b = Chat(engine, QUESTION, picture(12), "Answer in one word.")
     reference_a = first_top(engine, chat_a.request(engine, **cold))
     reference_b = first_top(engine, chat_b.request(engine, **cold))
-
     request = chat_a.request(engine, **warm)
 
     async def both_slots() -> None:  # two at once: every slot holds picture A's conversation
         await asyncio.gather(collect(engine, request), collect(engine, request))
     run(both_slots())
+    for entry in list(engine._cache.entries):  # B's own state, kept when A took its slot, would serve B whole
+        engine._cache.drop(entry)
     assert all(tokens[chat_a.at[0]] < 0 for tokens in engine._slot_tokens)  # a picture's row ids
     text, finished, tokens = generate(engine, chat_b.request(engine, **warm))
     # only the text before the picture was shared; B's rows were computed, not A's reused
