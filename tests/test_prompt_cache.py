@@ -7,6 +7,7 @@ SmolLM2 GGUF, the official openai and ollama clients."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from pathlib import Path
@@ -84,11 +85,22 @@ def test_a_follow_up_after_a_front_ends_tasks_reads_only_its_new_tokens(server: 
     assert two.usage.prompt_tokens - cached(two) < 40  # the reply and the new question
 
 
-def test_with_one_slot_the_conversation_comes_back_from_host_memory(server: LocalmServer) -> None:
+@contextlib.contextmanager
+def one_slot(server: LocalmServer) -> Iterator[httpx.Client]:
+    """The model reloaded with one slot (the owner's client, for more settings), then with four
+    slots and the default cache again."""
     owner = server.owner()
     assert owner.post("/v1/plugins/llamacpp/settings", json={"n_parallel": 1}).status_code == 200
     owner.post("/v1/models/unload", params={"model": MODEL})
     try:
+        yield owner
+    finally:
+        owner.post("/v1/plugins/llamacpp/settings", json={"n_parallel": 4, "cache_ram_mb": -1})
+        owner.post("/v1/models/unload", params={"model": MODEL})
+
+
+def test_with_one_slot_the_conversation_comes_back_from_host_memory(server: LocalmServer) -> None:
+    with one_slot(server) as owner:
         client = client_of(server)
         one, two = open_webui_turns(client, "Chat B. " + TOOLS)
         assert cached(two) >= one.usage.prompt_tokens, (cached(two), one.usage.prompt_tokens)
@@ -97,18 +109,12 @@ def test_with_one_slot_the_conversation_comes_back_from_host_memory(server: Loca
         owner.post("/v1/models/unload", params={"model": MODEL})
         one, two = open_webui_turns(client, "Chat C. " + TOOLS)
         assert cached(two) < 100
-    finally:
-        owner.post("/v1/plugins/llamacpp/settings", json={"n_parallel": 4, "cache_ram_mb": -1})
-        owner.post("/v1/models/unload", params={"model": MODEL})
 
 
 def test_a_short_conversation_comes_back_from_host_memory_too(server: LocalmServer) -> None:
     # a few dozen tokens are worth keeping: copying them costs microseconds a token, reading
     # them again milliseconds a token on a CPU
-    owner = server.owner()
-    assert owner.post("/v1/plugins/llamacpp/settings", json={"n_parallel": 1}).status_code == 200
-    owner.post("/v1/models/unload", params={"model": MODEL})
-    try:
+    with one_slot(server):
         client = client_of(server)
         first = [{"role": "user", "content": "Write a short story about a keeper who finds a bottle."}]
         one = ask(client, first)
@@ -118,9 +124,6 @@ def test_a_short_conversation_comes_back_from_host_memory_too(server: LocalmServ
                                    {"role": "user", "content": "Shorter, please."}])
         assert one.usage.prompt_tokens + one.usage.completion_tokens < 100
         assert cached(two) >= one.usage.prompt_tokens, (cached(two), one.usage.prompt_tokens)
-    finally:
-        owner.post("/v1/plugins/llamacpp/settings", json={"n_parallel": 4})
-        owner.post("/v1/models/unload", params={"model": MODEL})
 
 
 def test_ollama_counts_only_the_prompt_tokens_it_evaluated(server: LocalmServer) -> None:
