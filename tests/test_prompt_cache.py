@@ -260,3 +260,11 @@ def test_the_host_cache_keeps_a_bounded_number_of_states() -> None:
     entry, n = cache.best(list(head) + [CACHE_ENTRIES + 4, 0])
     assert entry is not None and entry.tokens[-1] == CACHE_ENTRIES + 4 and n == len(head) + 1
     assert _shared_prefix(head + (1,), list(head) + [1]) == len(head) + 1  # a tuple against a list
+
+
+def test_a_state_is_restored_when_it_saves_more_than_it_copies() -> None:
+    from localm.plugins.llamacpp.llamacpp import _worth_restoring
+    assert _worth_restoring(kept=48, shared=30, length=178)  # a short chat asked again: 18 tokens not read
+    assert not _worth_restoring(kept=35, shared=30, length=178)  # 5 tokens: not worth a copy
+    assert not _worth_restoring(kept=60, shared=30, length=6000)  # 30 tokens of a 6,000-token state
+    assert _worth_restoring(kept=6000, shared=30, length=6100)  # the conversation itself

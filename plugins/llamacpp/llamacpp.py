@@ -301,6 +301,14 @@ RESTORE_FROM = 8
 RESTORE_COPY = 64
 #: The host-memory cache keeps at most this many states (a newcomer's prompt is compared with each).
 CACHE_ENTRIES = 256
+
+
+def _worth_restoring(kept: int, shared: int, length: int) -> bool:
+    """Whether a state of ``length`` tokens sharing ``kept`` tokens with the prompt is worth
+    copying into a slot that shares ``shared`` (RESTORE_FROM, RESTORE_COPY)."""
+    return kept - shared >= max(RESTORE_FROM, length // RESTORE_COPY)
+
+
 #: The first bytes of a persisted prompt-cache file.
 CACHE_MAGIC = b"LOCALMKV\x01"
 
@@ -317,8 +325,8 @@ class _Saved:
 
 class PromptCache:
     """The KV state of sequences that lost their slot, within ``budget`` bytes and
-    ``CACHE_ENTRIES`` states, the least recently used dropped first. A state covered by a longer one (its tokens are the longer
-    one's start) is not kept twice."""
+    ``CACHE_ENTRIES`` states, the least recently used dropped first. A state covered by a
+    longer one (its tokens are the longer one's start) is not kept twice."""
 
     def __init__(self, budget: int) -> None:
         self.budget = max(0, budget)
@@ -1250,7 +1258,7 @@ class LlamaEngine:
                               {candidate: len(self._slot_tokens[candidate]) for candidate in free})
             shared = prefix[slot]
             entry, kept = self._cache.best(prompt) if reuse and not key and self._cache.entries else (None, 0)
-            if entry is not None and kept - shared >= max(RESTORE_FROM, len(entry.tokens) // RESTORE_COPY) \
+            if entry is not None and _worth_restoring(kept, shared, len(entry.tokens)) \
                     and len(entry.tokens) < self._n_ctx_slot:
                 self._keep(slot, 0)
                 if self._restore(slot, entry):
