@@ -187,7 +187,8 @@ class Batched:
     :class:`Turns`) and are told so (Queued). When ``step`` raises, every unfinished job ends
     with an error and ``abort()`` (when given) lets the engine reset its state.
     :meth:`call` runs a function alone: it waits for the running decodes to end, and the
-    requests that arrive meanwhile wait behind it.
+    requests that arrive meanwhile wait behind it. ``step`` may call :meth:`arrivals` before
+    its decode to take in the requests that arrived while it prepared.
     """
 
     def __init__(self, name: str, slots: int, *, admit: Callable[[Job], None], step: Callable[[list[Job]], None],
@@ -269,20 +270,13 @@ class Batched:
                 if not arrived and not self._live:
                     self._stepping = False
                     return
-            for job in arrived:
-                self._track(job, job.loop)
-                self._live.append(job)
-                try:
-                    self._admit(job)
-                except Exception as exc:  # noqa: BLE001 - the job ends; the others go on
-                    self._end(job, Finished(reason="error", prompt_tokens=positions(job.request),
-                                            completion_tokens=0, error=f"{type(exc).__name__}: {exc}"))
+            self._welcome(arrived)
             live = [job for job in self._live if not job.finished]
             if live:
                 try:
                     self._step(live)
                 except Exception as exc:  # noqa: BLE001 - every unfinished job ends with the error
-                    for job in live:
+                    for job in [job for job in self._live if not job.finished]:  # those arrived in the step too
                         self._end(job, Finished(reason="error", prompt_tokens=positions(job.request),
                                                 completion_tokens=0, error=f"{type(exc).__name__}: {exc}"))
                     if self._abort is not None:
@@ -291,6 +285,27 @@ class Batched:
                         except Exception:  # noqa: BLE001
                             pass
             self._flush()
+
+    def _welcome(self, arrived: list[Job]) -> None:
+        for job in arrived:
+            self._track(job, job.loop)
+            self._live.append(job)
+            try:
+                self._admit(job)
+            except Exception as exc:  # noqa: BLE001 - the job ends; the others go on
+                self._end(job, Finished(reason="error", prompt_tokens=positions(job.request),
+                                        completion_tokens=0, error=f"{type(exc).__name__}: {exc}"))
+
+    def arrivals(self) -> int:
+        """Admit the requests that arrived since this step began (``admit`` for each), and
+        return how many. For ``step`` to call, on the engine's thread, before its decode:
+        requests sent together reach the engine a few milliseconds apart, and a step that
+        takes in those that came while it prepared reads their prompts in the same decode,
+        instead of one now and the others a whole prompt-reading step later."""
+        with self._lock:
+            arrived, self._inbox = self._inbox, []
+        self._welcome(arrived)
+        return len(arrived)
 
     def _flush(self) -> None:
         """Hand this step's events to their event loops, one call a loop."""

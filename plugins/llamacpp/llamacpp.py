@@ -1300,6 +1300,10 @@ class LlamaEngine:
             self._waiting.remove(job)
             self._end(job, "cancelled")
         self._take()
+        for _ in range(self._slots):  # requests that arrived while this step took the others in
+            if not self._queue.arrivals():
+                break
+            self._take()
         if not self._running:
             return
         if len(self._running) == 1:
