@@ -121,11 +121,12 @@ CLASSIFIER_TENSORS = ("cls.weight", "cls.output.weight")
 
 
 def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share (compared 64 at a time, then one by one)."""
+    """How many leading tokens ``a`` and ``b`` share (compared 64 at a time, then one by one;
+    a slot's tokens are a list, a prompt a tuple)."""
     n, end = 0, min(len(a), len(b))
-    if type(a) is type(b):
-        while n + 64 <= end and a[n:n + 64] == b[n:n + 64]:
-            n += 64
+    same = type(a) is type(b)
+    while n + 64 <= end and (a[n:n + 64] == b[n:n + 64] if same else list(a[n:n + 64]) == list(b[n:n + 64])):
+        n += 64
     for x, y in zip(a[n:end], b[n:end]):
         if x != y:
             break
