@@ -11,10 +11,11 @@ import asyncio
 import contextlib
 import heapq
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
-from localm.kernel.engines import Event, Finished, GenerateRequest, Queued, Started, Stop
+from localm.kernel.engines import Event, Finished, GenerateRequest, Queued, Started, Stop, Token
 
 
 def positions(request: GenerateRequest) -> int:
@@ -154,7 +155,7 @@ class Job:
     Finished, which ends the job), called on the engine's thread; the events of one step
     reach the consumer together when the step ends."""
 
-    __slots__ = ("request", "cancelled", "emit", "loop", "finished", "state")
+    __slots__ = ("request", "cancelled", "emit", "loop", "finished", "state", "delivered")
 
     def __init__(self, request: GenerateRequest, cancelled: threading.Event, emit: Callable[[Event], None],
                  loop: Any = None) -> None:
@@ -166,6 +167,40 @@ class Job:
         self.finished = False
         #: The engine's own record of the job (its slot, sampler, position ...).
         self.state: Any = None
+        #: When its events last went to its event loop (``time.monotonic()``; None: never).
+        self.delivered: float | None = None
+
+
+class Events:
+    """What :meth:`Batched.generate` returns: the request's events, read as from an async
+    generator (``async for``, ``athrow``, ``aclose``), and ``ready``, how many of them have
+    arrived and are not read yet: a consumer that turns each token into a message may join
+    the tokens that came together into one."""
+
+    __slots__ = ("_events", "_queue")
+
+    def __init__(self, events: AsyncIterator[Event], queue: asyncio.Queue[Event]) -> None:
+        self._events: Any = events
+        self._queue = queue
+
+    @property
+    def ready(self) -> int:
+        return self._queue.qsize()
+
+    def __aiter__(self) -> "Events":
+        return self
+
+    def __anext__(self) -> Any:
+        return self._events.__anext__()
+
+    def asend(self, value: Any) -> Any:
+        return self._events.asend(value)
+
+    def athrow(self, *args: Any) -> Any:
+        return self._events.athrow(*args)
+
+    def aclose(self) -> Any:
+        return self._events.aclose()
 
 
 class Batched:
@@ -189,11 +224,20 @@ class Batched:
     :meth:`call` runs a function alone: it waits for the running decodes to end, and the
     requests that arrive meanwhile wait behind it. ``step`` may call :meth:`arrivals` before
     its decode to take in the requests that arrived while it prepared.
+
+    ``interval`` (seconds, 0 by default) hands a job's tokens to its consumer at most once
+    per interval: its first token at once, later ones when the interval since the last
+    handing has passed, anything else (a Status, the Finished) at once with the tokens held
+    before it. Each handing wakes the consumer's event loop, which then writes to a socket
+    and wakes a client; where the decode's threads take every core, that work is taken from
+    the decode, and handing several tokens at once costs about what handing one does.
     """
 
     def __init__(self, name: str, slots: int, *, admit: Callable[[Job], None], step: Callable[[list[Job]], None],
-                 abort: Callable[[], None] | None = None) -> None:
+                 abort: Callable[[], None] | None = None, interval: float = 0.0) -> None:
         self.slots = max(1, int(slots))
+        #: Seconds between two handings of a job's tokens to its consumer (0: every step's).
+        self.interval = max(0.0, float(interval))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._turn = Turns(self.slots)
         self._admit, self._step, self._abort = admit, step, abort
@@ -202,8 +246,8 @@ class Batched:
         self._lock = threading.Lock()
         self._stepping = False
         #: Events emitted in this step, delivered to their event loops together when it ends (one
-        #: wake-up of the loop a step, not one a token).
-        self._outbox: list[tuple[Any, Callable[[Event], None], Event]] = []
+        #: wake-up of the loop a step, not one a token), or later when ``interval`` holds them.
+        self._outbox: list[tuple[Job, Callable[[Event], None], Event]] = []
         self.busy = 0
 
     @property
@@ -216,7 +260,11 @@ class Batched:
         """Requests waiting for a slot."""
         return self._turn.waiting
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+    def generate(self, request: GenerateRequest) -> Events:
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        return Events(self._generate(request, events), events)
+
+    async def _generate(self, request: GenerateRequest, events: asyncio.Queue[Event]) -> AsyncIterator[Event]:
         self.busy += 1
         try:
             if self._turn.held >= self.slots or self._turn.waiting:
@@ -224,7 +272,6 @@ class Batched:
             async with self._turn(request.background):
                 yield Started(prompt_tokens=positions(request))
                 loop = asyncio.get_running_loop()
-                events: asyncio.Queue[Event] = asyncio.Queue()
                 cancelled = threading.Event()
                 ended = loop.create_future()
 
@@ -288,7 +335,7 @@ class Batched:
 
     def _welcome(self, arrived: list[Job]) -> None:
         for job in arrived:
-            self._track(job, job.loop)
+            self._track(job)
             self._live.append(job)
             try:
                 self._admit(job)
@@ -308,20 +355,35 @@ class Batched:
         return len(arrived)
 
     def _flush(self) -> None:
-        """Hand this step's events to their event loops, one call a loop."""
+        """Hand this step's events to their event loops, one call a loop; with an ``interval``,
+        a job's tokens wait in the outbox until they are due."""
         if not self._outbox:
             return
+        due: dict[Job, bool] = {}
+        if self.interval:
+            now = time.monotonic()
+            for job, _, event in self._outbox:
+                if not due.get(job):
+                    due[job] = job.delivered is None or not isinstance(event, Token) \
+                        or now - job.delivered >= self.interval
+            for job, go in due.items():
+                if go:
+                    job.delivered = now
         by_loop: dict[Any, list[tuple[Callable[[Event], None], Event]]] = {}
-        for loop, deliver, event in self._outbox:
-            by_loop.setdefault(loop, []).append((deliver, event))
-        self._outbox = []
+        held = []
+        for job, deliver, event in self._outbox:
+            if due.get(job, True):
+                by_loop.setdefault(job.loop, []).append((deliver, event))
+            else:
+                held.append((job, deliver, event))
+        self._outbox = held
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver_all, items)
             except RuntimeError:  # the loop closed: nobody reads these events
                 pass
 
-    def _track(self, job: Job, loop: Any) -> None:
+    def _track(self, job: Job) -> None:
         """Queue the job's events for the end of the step, and mark the job finished when its
         Finished passes, whoever emits it."""
         deliver = job.emit
@@ -331,7 +393,7 @@ class Batched:
                 if job.finished:
                     return
                 job.finished = True
-            self._outbox.append((loop, deliver, event))
+            self._outbox.append((job, deliver, event))
         job.emit = tracked
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:

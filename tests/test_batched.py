@@ -1,7 +1,8 @@
 """The batched scheduler (localm.sdk.scheduling.Batched) with a small engine of its own: real
 threads and a real event loop, no model. Requests sent together reach the engine a few
 milliseconds apart; a step that calls ``arrivals()`` before its decode takes in those that came
-while it prepared, and a step that raises ends them too."""
+while it prepared, and a step that raises ends them too. With an ``interval``, a reply's tokens
+reach the consumer together, at most once per interval."""
 
 from __future__ import annotations
 
@@ -75,3 +76,60 @@ def test_a_failing_step_ends_the_requests_it_took_in_as_well() -> None:
     for events in replies:
         assert isinstance(events[-1], Finished) and events[-1].reason == "error"
         assert "the decode failed" in (events[-1].error or "")
+
+
+class Counter:
+    """One token a step for each job, a step every few milliseconds, until ``tokens``; then the
+    Finished."""
+
+    def __init__(self, tokens: int, interval: float) -> None:
+        self.tokens = tokens
+        self.held: list[Job] = []
+        self.batched = Batched("test", 2, admit=self.admit, step=self.step, interval=interval)
+
+    def admit(self, job: Job) -> None:
+        job.state = 0
+        self.held.append(job)
+
+    def step(self, jobs: list[Job]) -> None:
+        time.sleep(0.005)  # the decode
+        for job in list(self.held):
+            job.state += 1
+            job.emit(Token(id=job.state, text=f"{job.state} "))
+            if job.state == self.tokens:
+                self.held.remove(job)
+                job.emit(Finished(reason="length", prompt_tokens=1, completion_tokens=self.tokens))
+
+
+def read_in_groups(engine: Counter) -> list[list[Any]]:
+    """The events of one request, as the consumer found them together: a group ends at an event
+    read with nothing else ready (``Events.ready``)."""
+    async def read() -> list[list[Any]]:
+        groups: list[list[Any]] = [[]]
+        events = engine.batched.generate(GenerateRequest(prompt=(1,), sampling=Sampling(max_tokens=engine.tokens)))
+        async for event in events:
+            if isinstance(event, (Token, Finished)):
+                groups[-1].append(event)
+                if not events.ready:
+                    groups.append([])
+        return [group for group in groups if group]
+    try:
+        return asyncio.run(asyncio.wait_for(read(), 60))
+    finally:
+        engine.batched.close()
+
+
+def test_an_interval_hands_a_replys_tokens_over_together() -> None:
+    groups = read_in_groups(Counter(tokens=20, interval=0.5))  # the whole reply takes about 0.1 s
+    events = [event for group in groups for event in group]
+    assert [event.id for event in events[:-1]] == list(range(1, 21))
+    assert isinstance(events[-1], Finished)
+    # the first token at once, alone; the others held until the Finished, which brings them
+    assert len(groups[0]) == 1 and isinstance(groups[0][0], Token)
+    assert len(groups) == 2 and len(groups[1]) == 20
+
+
+def test_without_an_interval_each_steps_token_comes_as_it_is_drawn() -> None:
+    groups = read_in_groups(Counter(tokens=10, interval=0))
+    assert len(groups) >= 5  # a step's token reaches the consumer within that step, 5 ms apart
+    assert [event.id for group in groups for event in group if isinstance(event, Token)] == list(range(1, 11))

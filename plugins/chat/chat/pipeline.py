@@ -282,8 +282,13 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
         return items
 
     events = engine.generate(request)
+    held: list[Any] = []  # what the tokens read so far decided, while more tokens that came with them wait
     async with contextlib.aclosing(events):
         async for event in events:
+            if held and not isinstance(event, spec.Token):
+                for item in _joined(held):
+                    yield item
+                held = []
             if isinstance(event, spec.Queued):
                 yield Status("waiting", "Waiting: another request is running on this model")
             elif isinstance(event, spec.Started):
@@ -300,8 +305,11 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                 if ledger is not None:
                     at = len(splitter.text)
                     ledger.add(at, at + len(event.text), _entry(engine, event))
-                for item in decided(splitter.feed(event.text)):
-                    yield item
+                held.extend(decided(splitter.feed(event.text)))
+                if held and (ended or not getattr(events, "ready", 0)):  # tokens that came together: one piece
+                    for item in _joined(held):
+                        yield item
+                    held = []
                 if ended:
                     if engine.capabilities.speculation and hasattr(events, "athrow"):
                         await _finish_quietly(events, outcome)
@@ -324,12 +332,29 @@ async def _run(engine: Any, prompt: list[int], common: Any, received: float, out
                     outcome.finish_reason = "length" if event.reason == "length" else "stop"
                     outcome.ended_by_model = event.reason == "stop"
                 break
+        for item in _joined(held):  # an event stream that ended without its Finished
+            yield item
     if outcome.calls and outcome.finish_reason not in ("error", "length"):
         outcome.finish_reason, outcome.stop_sequence = "tool_calls", None
     if first_at is not None and outcome.completion_tokens:
         elapsed = time.perf_counter() - first_at
         if outcome.completion_tokens > 1 and elapsed > 0:
             outcome.tokens_per_sec = round((outcome.completion_tokens - 1) / elapsed, 2)
+
+
+def _joined(items: list[Any]) -> list[Any]:
+    """Consecutive pieces of text joined into one (and reasoning likewise): the tokens an engine
+    handed over together travel as one message."""
+    out: list[Any] = []
+    for item in items:
+        last = out[-1] if out else None
+        if isinstance(item, Piece) and isinstance(last, Piece):
+            out[-1] = Piece(last.text + item.text, last.logprobs + item.logprobs)
+        elif isinstance(item, Reasoning) and isinstance(last, Reasoning):
+            out[-1] = Reasoning(last.text + item.text)
+        else:
+            out.append(item)
+    return out
 
 
 async def _finish_quietly(events: Any, outcome: Outcome) -> None:
