@@ -266,8 +266,7 @@ TOGETHER_BELOW = 64
 #: Where the decode's threads take every core, a streamed reply's tokens reach the server's event
 #: loop at most once this often (ms; the stream_interval_ms setting's -1), about a film's frame
 #: rate: each handing wakes the loop, which writes to a socket and wakes a client, on the cores
-#: the decode runs on (bench/README.md, chat.py: 2.2% faster at 25 ms than a message a token,
-#: 2.7% more at 40).
+#: the decode runs on (bench/stream_interval.py: 2.6% faster than a message a token on two cores).
 STREAM_INTERVAL_MS = 40
 
 #: A cached prefix this much longer than another slot's wins over keeping the busy slots in a row;
