@@ -44,11 +44,14 @@ THINKER_PY = '''from localm import sdk
 
 @sdk.hookimpl
 def chat_stream(event, context):
+    # the reply's first 16 characters become reasoning, however the tokens were grouped
     if event["type"] == "text":
         seen = context.state.get("thinker", 0)
-        context.state["thinker"] = seen + 1
-        if seen < 4:
-            return {"type": "reasoning", "text": event["text"]}
+        if seen < 16:
+            take = event["text"][:16 - seen]
+            context.state["thinker"] = seen + len(take)
+            rest = event["text"][len(take):]
+            return [{"type": "reasoning", "text": take}] + ([{"type": "text", "text": rest}] if rest else [])
     return None
 '''
 
@@ -280,7 +283,7 @@ def test_reasoning_is_shown_dimmed_on_a_terminal_and_left_out_when_piped(s: Loca
         assert child.exitstatus == 0
         drawn = str(child.before)
         thinking, _, rest = drawn.partition(PLAIN + "\r\n\r\n")  # the thinking, a blank line, the answer
-        assert 1 <= thinking.count(DIM) <= 4 and rest.strip() and DIM not in rest, repr(drawn)
+        assert 1 <= thinking.count(DIM) <= 16 and rest.strip() and DIM not in rest, repr(drawn)
 
         piped = s.cli("run", MODEL, *question, input="")
         assert piped.returncode == 0 and "\x1b" not in piped.stdout
