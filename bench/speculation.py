@@ -268,7 +268,8 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=900.0,
                         help="start no new round this many seconds after the start (default 900)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every request")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary directory (server logs)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the temporary directory (server logs, and every reply in replies.json)")
     args = parser.parse_args()
     args.rounds = min(max(args.rounds, 1), 30)
     args.threads = max(args.threads, 1)
@@ -360,6 +361,8 @@ def main() -> None:
                               flush=True)
 
         report(configs, tasks, rows, args, redone)
+        if args.keep:  # every reply, to read what each configuration wrote
+            (workdir / "replies.json").write_text(json.dumps(rows, indent=1))
         print("\n" + took(t0, workdir, args.keep))
 
 

@@ -1405,7 +1405,7 @@ class LlamaEngine:
             candidate, match = state.ngrams.draft(most)
             if not candidate:
                 return False
-            length = costs.best(state.acceptance(match), len(candidate))[0] if self._adaptive else len(candidate)
+            length = state.length(costs, len(candidate), match, self._adaptive)
         elif self._adaptive:
             match = 0
             per_draft = costs.draft_token if costs.draft_token is not None else 0.1 * costs.of(1)
@@ -1414,9 +1414,7 @@ class LlamaEngine:
             match, length = 0, most
         probing = length == 0
         if probing:
-            state.paused_steps += 1
-            state.held += 1
-            if not state.probe():
+            if not state.paused():
                 return False
             length = 2  # now and then a short draft, to see whether the text turned repetitive
         if state.source == "ngram":

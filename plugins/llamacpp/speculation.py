@@ -196,6 +196,18 @@ class Speculating:
         missed = sum(m for _, m in self._counts.values())
         return kept / (kept + missed) if kept + missed else self._prior
 
+    def length(self, costs: Costs, found: int, match: int, adaptive: bool = True) -> int:
+        """How many of the ``found`` tokens prompt lookup proposed (a match of ``match`` tokens) to
+        draft this step: as far as the measured costs and acceptance say it pays (all of them
+        when not ``adaptive``); 0: it does not pay."""
+        return costs.best(self.acceptance(match), found)[0] if adaptive else found
+
+    def paused(self) -> bool:
+        """A step where drafting does not pay: counted, and whether to try a short draft anyway."""
+        self.paused_steps += 1
+        self.held += 1
+        return self.probe()
+
     def probe(self) -> bool:
         """After a paused step: whether to try a short draft now."""
         if self.held < self.probe_every or self.probes_left == 0:
