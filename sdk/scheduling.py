@@ -366,6 +366,8 @@ class Batched:
                 if not due.get(job):
                     due[job] = job.delivered is None or not isinstance(event, Token) \
                         or now - job.delivered >= self.interval
+            if not any(due.values()):  # every job's tokens wait for their interval
+                return
             for job, go in due.items():
                 if go:
                     job.delivered = now

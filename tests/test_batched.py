@@ -82,8 +82,9 @@ class Counter:
     """One token a step for each job, a step every few milliseconds, until ``tokens``; then the
     Finished."""
 
-    def __init__(self, tokens: int, interval: float) -> None:
+    def __init__(self, tokens: int, interval: float, seconds: float = 0.005) -> None:
         self.tokens = tokens
+        self.seconds = seconds
         self.held: list[Job] = []
         self.batched = Batched("test", 2, admit=self.admit, step=self.step, interval=interval)
 
@@ -92,7 +93,7 @@ class Counter:
         self.held.append(job)
 
     def step(self, jobs: list[Job]) -> None:
-        time.sleep(0.005)  # the decode
+        time.sleep(self.seconds)  # the decode
         for job in list(self.held):
             job.state += 1
             job.emit(Token(id=job.state, text=f"{job.state} "))
@@ -130,6 +131,6 @@ def test_an_interval_hands_a_replys_tokens_over_together() -> None:
 
 
 def test_without_an_interval_each_steps_token_comes_as_it_is_drawn() -> None:
-    groups = read_in_groups(Counter(tokens=10, interval=0))
-    assert len(groups) >= 5  # a step's token reaches the consumer within that step, 5 ms apart
+    groups = read_in_groups(Counter(tokens=10, interval=0, seconds=0.02))
+    assert len(groups) >= 5  # a step's token reaches the consumer within that step, 20 ms apart
     assert [event.id for group in groups for event in group if isinstance(event, Token)] == list(range(1, 11))
