@@ -5,9 +5,10 @@ itself is kept.
 Two draft sources:
 
 - ``ngram`` (prompt lookup, :class:`Ngrams`): the continuation of the latest earlier match of
-  the reply's last n tokens (n = 8 down to 2) in the prompt and the reply so far. It costs
-  nothing to propose and pays where a reply repeats its context: quoting a passage, editing
-  code, JSON that echoes its input.
+  the reply's last n tokens (n = 8 down to 2) in the prompt and the reply so far; where that
+  continuation runs into the present (the reply is going round a loop), the draft goes on
+  around the loop. It costs nothing to propose and pays where a reply repeats its context:
+  quoting a passage, editing code, JSON that echoes its input, a list whose items repeat.
 - ``draft`` (:class:`DraftModel`): a small GGUF sharing the model's vocabulary, in a context
   of its own, proposing its greedy tokens one at a time while it is confident.
 
@@ -54,7 +55,8 @@ CAN_PAY_GAIN = 1.05
 class Ngrams:
     """Where each n-gram of a token sequence last ended before its end, kept up to date as
     tokens are appended: ``draft(k)`` is what followed the latest earlier match of the last
-    n tokens (the longest n that matches), and n."""
+    n tokens (the longest n that matches), and n. A continuation shorter than k that reaches
+    the last token is a loop of period (its length): its turns repeat it up to k tokens."""
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.tokens: list[int] = []
@@ -77,7 +79,14 @@ class Ngrams:
                 continue
             end = self._ends[n].get(tuple(mine[size - n:]))
             if end is not None:
-                return mine[end:end + k], n
+                found = mine[end:end + k]
+                if len(found) < k and end + len(found) == size:
+                    # the match's continuation runs into the present: a loop of period size - end,
+                    # whose next turns repeat it
+                    period = size - end
+                    while len(found) < k:
+                        found.append(found[len(found) - period])
+                return found, n
         return [], 0
 
 

@@ -234,6 +234,21 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     assert plugin_module("llamacpp", "speculation").Ngrams([5]).draft(4) == ([], 0)
 
 
+def test_prompt_lookup_in_a_loop_drafts_its_next_turns() -> None:
+    """A match whose continuation runs into the present is a loop: the draft goes on around it
+    rather than stopping after one period."""
+    Ngrams = plugin_module("llamacpp", "speculation").Ngrams
+    ngrams = Ngrams([8, 1, 2, 3, 1, 2, 3, 1, 2])
+    assert ngrams.draft(7) == ([3, 1, 2, 3, 1, 2, 3], 5)  # (1, 2, 3, 1, 2) came 3 tokens back: period 3
+    looping = Ngrams([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4])
+    assert looping.draft(8) == ([7, 2, 3, 4, 7, 2, 3, 4], 3)
+    assert looping.draft(2) == ([7, 2], 3)
+    assert Ngrams([5, 5]).draft(4) == ([], 0)  # no n-gram of two tokens before the last two
+    assert Ngrams([5, 5, 5]).draft(4) == ([5, 5, 5, 5], 2)  # a run of one token repeats
+    # the text so far, then its start again: it goes on as it went the first time, and around
+    assert Ngrams([1, 2, 3, 4, 5, 6, 1, 2]).draft(9) == ([3, 4, 5, 6, 1, 2, 3, 4, 5], 2)
+    assert Ngrams([1, 2, 3, 4, 5, 6, 7, 1, 2]).draft(3) == ([3, 4, 5], 2)  # a continuation long enough
+
 def test_drafting_goes_as_far_as_the_measured_costs_pay() -> None:
     costs = plugin_module("llamacpp", "speculation").Costs()
     for _ in range(3):
