@@ -218,7 +218,7 @@ class Localm:
         candidate, self.match = state.ngrams.draft(most)
         if not candidate:
             return []
-        length = state.length(costs, len(candidate), self.match)
+        length = state.length(costs, len(candidate), self.match, first=candidate[0])
         self.probing = length == 0
         if self.probing:
             if not state.paused():

@@ -1405,7 +1405,7 @@ class LlamaEngine:
             candidate, match = state.ngrams.draft(most)
             if not candidate:
                 return False
-            length = state.length(costs, len(candidate), match, self._adaptive)
+            length = state.length(costs, len(candidate), match, self._adaptive, candidate[0])
         elif self._adaptive:
             match = 0
             per_draft = costs.draft_token if costs.draft_token is not None else 0.1 * costs.of(1)

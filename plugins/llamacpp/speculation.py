@@ -22,8 +22,9 @@ otherwise draw from p without it), with one draw of the request's seeded generat
 Whether to draft, and how far, is decided each step from measured costs (:class:`Costs`): the
 seconds a decode of n tokens takes for one reply, and the reply's measured acceptance. A step
 where the expected tokens per second of drafting do not beat one token a step is decoded
-without drafting (a paused step); every ``PROBE_EVERY`` paused steps one draft is tried, so
-drafting resumes where the text turns repetitive.
+without drafting (a paused step). A paused step's prompt-lookup proposal is still compared with
+the token the step draws (``Speculating.length``), and every ``PROBE_EVERY`` paused steps one
+draft is tried, so drafting resumes where the text turns repetitive.
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ class Speculating:
         self._counts: dict[int, list[float]] = {}  # match length (0: a draft model) -> [kept, missed]
         self.history: list[int] = []  # prompt and reply so far (the draft model's input)
         self.ngrams: Ngrams | None = None
+        self._watch: tuple[int, int, int] | None = None  # a paused step's (match, where, first token)
 
     def _start(self, match: int) -> list[float]:
         """The prior as counts: the engine's for a draft model, and for an n-gram match one that
@@ -205,11 +207,25 @@ class Speculating:
         missed = sum(m for _, m in self._counts.values())
         return kept / (kept + missed) if kept + missed else self._prior
 
-    def length(self, costs: Costs, found: int, match: int, adaptive: bool = True) -> int:
-        """How many of the ``found`` tokens prompt lookup proposed (a match of ``match`` tokens) to
-        draft this step: as far as the measured costs and acceptance say it pays (all of them
-        when not ``adaptive``); 0: it does not pay."""
-        return costs.best(self.acceptance(match), found)[0] if adaptive else found
+    def length(self, costs: Costs, found: int, match: int, adaptive: bool = True, first: int | None = None) -> int:
+        """How many of the ``found`` tokens prompt lookup proposed (a match of ``match`` tokens,
+        beginning with ``first``) to draft this step: as far as the measured costs and acceptance
+        say it pays (all of them when not ``adaptive``); 0: it does not pay.
+
+        A step that does not pay still learns: the proposal's first token is compared with the
+        token the step draws (the next time this is called) and counted in the match length's
+        acceptance as a one-token draft would be. Without that, a match length whose prior
+        acceptance does not pay would never be drafted, and a reply going round a loop would
+        wait for the next probe to find out."""
+        watched, self._watch = self._watch, None
+        if watched is not None and len(self.history) > watched[1]:
+            self._count(watched[0], 1, int(self.history[watched[1]] == watched[2]))
+        if not adaptive:
+            return found
+        length = costs.best(self.acceptance(match), found)[0]
+        if not length and first is not None:
+            self._watch = (match, len(self.history), first)
+        return length
 
     def paused(self) -> bool:
         """A step where drafting does not pay: counted, and whether to try a short draft anyway."""
@@ -234,6 +250,10 @@ class Speculating:
         self.accepted += kept
         self.verified += 1
         self.held = 0
+        self._watch = None  # this step's draft was checked: nothing to compare
+        self._count(match, drafted, kept)
+
+    def _count(self, match: int, drafted: int, kept: int) -> None:
         # a draft of k tokens, kept up to the first miss: kept successes and one failure
         counts = self._counts.setdefault(match, self._start(match))
         counts[0] = 0.9 * counts[0] + kept

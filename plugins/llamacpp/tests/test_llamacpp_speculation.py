@@ -268,6 +268,41 @@ def test_drafting_goes_as_far_as_the_measured_costs_pay() -> None:
     assert costs.best(0.9, 4)[0] == 0 and costs.can_pay("ngram", 4) is False
 
 
+def test_a_paused_step_learns_from_the_token_it_draws() -> None:
+    """A match length whose prior acceptance does not pay is still measured while paused: each
+    paused step's proposal is compared with the token drawn next, so a reply going round a loop
+    starts drafting without waiting for a probe, and a wrong proposal keeps it paused."""
+    S = plugin_module("llamacpp", "speculation")
+    costs = S.Costs()
+    for _ in range(3):  # a machine where a checked row costs most of a step: 80% does not pay
+        costs.add(1, 0.010)
+        for n in range(2, 18):
+            costs.add(n, 0.010 + 0.0085 * (n - 1))
+    assert costs.best(0.8, 16)[0] == 0
+
+    def paused_steps(history: list[int], follows: list[int]) -> list[int]:
+        state = S.Speculating("ngram", 0.6)
+        state.history = list(history)
+        lengths = []
+        for token in follows:
+            lengths.append(state.length(costs, 16, 8, first=7))  # the proposal always begins with 7
+            state.history.append(token)
+        return lengths
+
+    looping = paused_steps([1, 2, 3], [7] * 12)
+    assert looping[0] == 0 and looping[-1] > 0  # it came back on its own
+    assert paused_steps([1, 2, 3], [5] * 12) == [0] * 12
+    # a checked draft is counted once: the step's own proposal is not compared again
+    state = S.Speculating("ngram", 0.6)
+    state.history = [1, 2, 3]
+    assert state.length(costs, 16, 8, first=7) == 0
+    state.checked(2, 0, 8)
+    state.history.append(7)
+    before = state.acceptance(8)
+    state.length(costs, 16, 8, first=7)
+    assert state.acceptance(8) == before
+
+
 def test_only_the_owner_names_the_draft_model_file(localm_server, tmp_path: Path) -> None:
     # spec_draft_model names a file the server opens: a config:write key neither sees nor sets it
     data_dir = tmp_path / "data"
