@@ -8,6 +8,7 @@ Run it from the repository root with the project's interpreter::
     .venv/bin/python bench/speculation_replay.py                       # bench/speculation.py's prompts
     .venv/bin/python bench/speculation_replay.py --draft-max 8,16,32   # several spec_draft_max values
     .venv/bin/python bench/speculation_replay.py --tasks edit -v       # every drafted step of each reply
+    .venv/bin/python bench/speculation_replay.py --oracle              # and the bound: a rule that knows the reply
     .venv/bin/python bench/speculation_replay.py --replies /tmp/localm-bench-spec-XXXX/replies.json
 
 What it does, in three parts:
@@ -37,6 +38,10 @@ Policies:
   before a one-token step is measured, then each step's size as it is used), one engine for
   all replies in turn, as one server answering them, in ``LlamaEngine._speculate``'s order of
   calls.
+- **oracle** (``--oracle``): knows the reply, and drafts exactly the part of prompt lookup's
+  proposal that the reply goes on with (when that beats a one-token step), at the largest
+  ``--draft-max`` and at ``--cost-max`` - 1 tokens: the bound on any rule that drafts from
+  prompt lookup, at this machine's step costs.
 - **ngram-simple**: llama.cpp's ``--spec-type ngram-simple`` rule with its defaults (as its
   ``common/ngram-map.cpp`` describes it): when the last 12 tokens occurred before, draft the
   up to 48 tokens that followed their latest earlier occurrence (none when fewer than 12).
@@ -268,6 +273,36 @@ class NgramSimple:
         pass
 
 
+class Oracle:
+    """Knows the reply: drafts exactly the part of prompt lookup's proposal (up to ``most`` tokens,
+    going round a loop as ``Ngrams`` does) that the reply goes on with, when that beats a
+    one-token step at the measured costs. No rule drafting from prompt lookup does better at
+    this ``most``; the gap to it is what knowing where a copy ends would be worth."""
+
+    def __init__(self, most: int, costs: dict[int, float]) -> None:
+        self.name = f"oracle, {most} at most"
+        self.most, self.costs = most, costs
+        self.ngrams: Any = None
+        self.future: Sequence[int] = ()
+        self.at = 0
+
+    def begin(self, history: list[int]) -> None:
+        self.ngrams = S.Ngrams(history)
+
+    def draft(self, history: list[int], room: int) -> list[int]:
+        candidate, _ = self.ngrams.draft(min(self.most, room))
+        right = 0
+        while right < len(candidate) and self.at + right < len(self.future) \
+                and candidate[right] == self.future[self.at + right]:
+            right += 1
+        if right and (right + 1) / self.costs[right + 1] > 1 / self.costs[1]:
+            return candidate[:right]
+        return []
+
+    def after(self, drafted: int, kept: int, drawn: Sequence[int], seconds: float) -> None:
+        self.ngrams.extend(drawn)
+
+
 def replay(policy: Any, prompt: list[int], reply: list[int], ended: bool, max_tokens: int,
            costs: dict[int, float], verbose: Any = None) -> float:
     """The reply's tokens per second under ``policy``: its first token comes with the prompt; each
@@ -276,8 +311,13 @@ def replay(policy: Any, prompt: list[int], reply: list[int], ended: bool, max_to
     history = list(prompt) + reply[:1]
     policy.begin(history)
     seconds, i, biggest = 0.0, 1, max(costs)
+    peek = isinstance(policy, Oracle)
+    if peek:
+        policy.future = future
     while i < len(reply):
         room = min(max_tokens - i - 1, biggest - 1)
+        if peek:
+            policy.at = i
         draft = policy.draft(history, room)[:max(room, 0)]
         kept = 0
         while kept < len(draft) and i + kept < len(future) and draft[kept] == future[i + kept]:
@@ -310,6 +350,9 @@ def main() -> None:
                                                                  "passes (1-50)")
     parser.add_argument("--replies", type=Path, help="replay the replies of a bench/speculation.py --keep run "
                                                       "(its replies.json) instead of decoding new ones")
+    parser.add_argument("--oracle", action="store_true", help="also replay a policy that knows the reply (drafts "
+                        "exactly what will be kept, at the largest --draft-max and at --cost-max - 1): the bound "
+                        "on any prompt-lookup rule at these step costs")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every drafted step of localm's "
                                                                      "first spec_draft_max")
     args = parser.parse_args()
@@ -349,6 +392,8 @@ def main() -> None:
           + " ".join(f"{n}:{costs[n] * 1000:.1f}" for n in sorted(costs)), flush=True)
 
     policies: list[Any] = [Off()] + [Localm(v, costs) for v in draft_maxes] + [NgramSimple()]
+    if args.oracle:
+        policies[-1:-1] = [Oracle(v, costs) for v in (max(draft_maxes), args.cost_max - 1)]
     speeds: dict[str, dict[str, float]] = {p.name: {} for p in policies}
     for policy in policies:
         show = None
@@ -362,7 +407,8 @@ def main() -> None:
 
     print("\nreplayed tokens/s (reply tokens / summed step costs; prompt reading left out)")
     names = [name for name, *_ in replies]
-    short = {p.name: p.name.replace("localm, spec_draft_max ", "localm ").split(" (")[0] for p in policies}
+    short = {p.name: p.name.replace("localm, spec_draft_max ", "localm ").replace(" at most", "").split(" (")[0]
+             for p in policies}
     width, column = max(len(n) for n in names + ["reply"]) + 2, max(12, *(len(v) + 2 for v in short.values()))
     print(f"{'reply':<{width}}{'tokens':>7}" + "".join(f"{short[p.name]:>{column}}" for p in policies))
     for name, _, reply, _ in replies:
