@@ -223,7 +223,10 @@ class Localm:
         candidate, self.match = state.ngrams.draft(most)
         if not candidate:
             return []
-        length = state.length(costs, len(candidate), self.match, first=candidate[0])
+        loop = state.ngrams.loop
+        if loop:
+            self.match = S.LOOP
+        length = state.length(costs, len(candidate), self.match, first=candidate[0], most=most, loop=loop)
         self.probing = length == 0
         if self.probing:
             if not state.paused():
@@ -342,8 +345,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="n_threads (and n_threads_batch)")
     parser.add_argument("--max-tokens", type=int, default=256, help="the longest reply (8-1024)")
     parser.add_argument("--tasks", default="quote,edit,free", help="comma-separated: quote, edit, free")
-    parser.add_argument("--draft-max", default="16", help="comma-separated spec_draft_max values (1-64; the "
-                        "plugin's default: 16)")
+    parser.add_argument("--draft-max", default="64", help="comma-separated spec_draft_max values (1-64; the "
+                        "plugin's default: 64)")
     parser.add_argument("--cost-max", type=int, default=64, help="the largest step measured, in rows (2-128)")
     parser.add_argument("--cost-at", type=int, default=400, help="context tokens before the measured steps")
     parser.add_argument("--cost-reps", type=int, default=3, help="decodes of each size in a row, in each of 3 "
@@ -393,7 +396,8 @@ def main() -> None:
 
     policies: list[Any] = [Off()] + [Localm(v, costs) for v in draft_maxes] + [NgramSimple()]
     if args.oracle:
-        policies[-1:-1] = [Oracle(v, costs) for v in (max(draft_maxes), args.cost_max - 1)]
+        policies[-1:-1] = [Oracle(v, costs) for v in sorted({min(max(draft_maxes), args.cost_max - 1),
+                                                             args.cost_max - 1})]
     speeds: dict[str, dict[str, float]] = {p.name: {} for p in policies}
     for policy in policies:
         show = None

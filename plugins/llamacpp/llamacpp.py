@@ -81,7 +81,8 @@ class Settings:
                                         description="The draft model's GGUF file for spec_source draft (the same "
                                                     "vocabulary as the models it drafts for; takes effect when a "
                                                     "model loads)")
-    spec_draft_max: int = sdk.setting(16, min=1, max=64, description="The most tokens drafted a step")
+    spec_draft_max: int = sdk.setting(64, min=1, max=64, description="The most tokens drafted a step (adaptive "
+                                                                      "drafting goes past 16 only round a loop)")
     spec_adaptive: bool = sdk.setting(True, description="Draft only as far as the measured step costs and "
                                                         "acceptance say it pays (off: draft every step a draft "
                                                         "is found, as far as spec_draft_max)")
@@ -565,7 +566,7 @@ class LlamaEngine:
         #: speculative drafting (speculation.py): the source a request without spec_source gets,
         #: the most tokens a step drafts, the measured step costs and acceptance, the draft model
         self._spec_default = settings.get("spec_source") or "off"
-        self._draft_max = int(settings.get("spec_draft_max") or 16)
+        self._draft_max = int(settings.get("spec_draft_max") or 64)
         self._adaptive = bool(settings.get("spec_adaptive", True))
         self._costs = speculation.Costs()
         self._prior = {"ngram": 0.6, "draft": 0.6}
@@ -1405,11 +1406,14 @@ class LlamaEngine:
             candidate, match = state.ngrams.draft(most)
             if not candidate:
                 return False
-            length = state.length(costs, len(candidate), match, self._adaptive, candidate[0])
+            loop = state.ngrams.loop
+            if loop:  # a loop's acceptance is measured apart from copies'
+                match = speculation.LOOP
+            length = state.length(costs, len(candidate), match, self._adaptive, candidate[0], most, loop)
         elif self._adaptive:
             match = 0
             per_draft = costs.draft_token if costs.draft_token is not None else 0.1 * costs.of(1)
-            length, _ = costs.best(state.acceptance(), most, per_draft)
+            length, _ = costs.best(state.acceptance(), min(most, speculation.DRAFT_MOST), per_draft)
         else:
             match, length = 0, most
         probing = length == 0
@@ -1423,6 +1427,10 @@ class LlamaEngine:
             draft = self._drafter.draft(state.history, length, costs)
             if not draft:
                 return False
+        for i, token in enumerate(draft):
+            if self._is_eog(token):  # the reply ends there if it is kept: nothing after it is
+                draft = draft[:i + 1]
+                break
         slot = seq.slot
         fed = seq.feed[:1] + draft
         at = len(self._slot_tokens[slot])
@@ -1443,15 +1451,16 @@ class LlamaEngine:
         self._slot_tokens[slot].extend(fed)
         seq.feed = []
         kept = 0
+        state.checking(len(draft), match)  # counted even if the reply ends on one of the rows
         for row in range(len(fed)):
-            token, going = self._draw(job, row)
+            token, going = self._draw(job, row, draft[row] if row < len(draft) else None)
             if row < len(draft) and token == draft[row]:
                 kept += 1
                 if going:
                     continue
             break
         self._forget(slot, at + 1 + kept)  # the rejected tail's cells
-        state.checked(len(draft), kept, match)
+        state.settle()
         if probing:
             state.probed(kept)
         return True
@@ -1608,15 +1617,18 @@ class LlamaEngine:
         batch.n_tokens = n
         return batch, rows, reader, piece.non_causal
 
-    def _draw(self, job: spec.Job, row: int) -> tuple[int, bool]:
+    def _draw(self, job: spec.Job, row: int, drafted: int | None = None) -> tuple[int, bool]:
         """Draw the sequence's next token from its logits at batch row ``row`` and emit it:
-        the token, and whether the reply goes on (its feed is then that token)."""
+        the token, and whether the reply goes on (its feed is then that token). A row checking
+        the ``drafted`` token counts it kept when that is the token drawn."""
         seq: _Sequence = job.state
         request = job.request
         if seq.greedy:
             token = int(self._logits_row(row).argmax())
         else:
             token = seq.sampler.sample(self.llm._ctx, row)
+        if drafted is not None and token == drafted:
+            seq.spec.keep()
         seq.prompting = False
         if seq.first is None:
             seq.first = time.perf_counter()
@@ -1675,8 +1687,8 @@ class LlamaEngine:
             spec_state = seq.spec
             if spec_state.verified and spec_state.source == "draft":  # how well the draft model agrees:
                 self._prior["draft"] = 0.5 * self._prior["draft"] + 0.5 * spec_state.overall  # the next starts there
-            report = spec_state.report(self._adaptive and
-                                       self._costs.can_pay(spec_state.source, self._draft_max) is False)
+            report = spec_state.report(self._adaptive and self._costs.can_pay(
+                spec_state.source, min(self._draft_max, speculation.DRAFT_MOST)) is False)
             if report["state"] == "on" and spec_state.source == "draft" and self._drafter is not None \
                     and self._drafter.on_cpu:
                 report["reason"] = "draft-on-cpu"

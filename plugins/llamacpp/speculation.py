@@ -22,7 +22,8 @@ otherwise draw from p without it), with one draw of the request's seeded generat
 Whether to draft, and how far, is decided each step from measured costs (:class:`Costs`): the
 seconds a decode of n tokens takes for one reply, and the reply's measured acceptance. A step
 where the expected tokens per second of drafting do not beat one token a step is decoded
-without drafting (a paused step). A paused step's prompt-lookup proposal is still compared with
+without drafting (a paused step). A copy or a draft model drafts at most ``DRAFT_MOST`` tokens a
+step, a loop up to spec_draft_max. A paused step's prompt-lookup proposal is still compared with
 the token the step draws (``Speculating.length``), and every ``PROBE_EVERY`` paused steps one
 draft is tried, so drafting resumes where the text turns repetitive.
 """
@@ -51,16 +52,25 @@ DRAFT_P_MIN = 0.5
 #: and draft-cannot-pay), and the gain it must then show.
 CAN_PAY = {"ngram": 0.90, "draft": 0.85}
 CAN_PAY_GAIN = 1.05
+#: The most tokens drafted a step, except by prompt lookup going round a loop (up to
+#: spec_draft_max): where a copy ends, or where a draft model stops agreeing, cannot be seen
+#: coming, and past this the acceptance measured so far overstates what a longer draft keeps.
+DRAFT_MOST = 16
+#: The acceptance key of prompt-lookup proposals going round a loop, measured apart from copies
+#: (whose keys are their match lengths, 2-8; a draft model's is 0).
+LOOP = -1
 
 
 class Ngrams:
     """Where each n-gram of a token sequence last ended before its end, kept up to date as
     tokens are appended: ``draft(k)`` is what followed the latest earlier match of the last
     n tokens (the longest n that matches), and n. A continuation shorter than k that reaches
-    the last token is a loop of period (its length): its turns repeat it up to k tokens."""
+    the last token is a loop of period (its length): its turns repeat it up to k tokens, and
+    ``loop`` says for how many tokens the text already repeats at that period (0: a copy)."""
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.tokens: list[int] = []
+        self.loop = 0  # the last draft went round a loop: the tokens that already repeat at its period
         self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(NGRAM_SHORTEST, NGRAM_LONGEST + 1)}
         self.extend(tokens)
 
@@ -75,6 +85,7 @@ class Ngrams:
 
     def draft(self, k: int) -> tuple[list[int], int]:
         mine, size = self.tokens, len(self.tokens)
+        self.loop = 0
         for n in range(NGRAM_LONGEST, NGRAM_SHORTEST - 1, -1):
             if size < n:
                 continue
@@ -87,6 +98,11 @@ class Ngrams:
                     period = size - end
                     while len(found) < k:
                         found.append(found[len(found) - period])
+                    at = size - 1
+                    while at >= period and mine[at] == mine[at - period]:
+                        at -= 1
+                    if size - 1 - at >= period:  # it went round at least once: a loop, not a copy
+                        self.loop = size - 1 - at
                 return found, n
         return [], 0
 
@@ -125,35 +141,69 @@ class Costs:
         return 1 in self.seconds
 
     def of(self, n: int) -> float:
-        """The cost of a decode of ``n`` tokens: measured (at least ``SURE`` times), else
-        interpolated between the nearest sizes measured that often, else a guess a little
-        above one token's; a size measured fewer times counts at most as that estimate, so
-        one slow sample does not stop drafting of that length for good."""
-        seconds, samples = self.seconds, self.samples
-        if n == 1 or (n in seconds and samples[n] >= self.SURE):
-            return seconds[n]
-        one = seconds[1]
-        sure = {m: seconds[m] for m in seconds if m == 1 or samples[m] >= self.SURE}
-        below = max(m for m in sure if m < n)
-        above = min((m for m in sure if m > n), default=None)
-        if above is None:
-            slope = (sure[below] - one) / (below - 1) if below > 1 else 0.0
-            guess = sure[below] + max(slope, 0.05 * one) * (n - below)
-        else:
-            guess = sure[below] + (n - below) / (above - below) * (sure[above] - sure[below])
-        return min(seconds[n], guess) if n in seconds else guess
+        """The cost of a decode of ``n`` tokens (see :meth:`table`)."""
+        return self.table(n)[n]
 
-    def best(self, acceptance: float, most: int, per_draft: float = 0.0) -> tuple[int, float]:
+    def table(self, most: int) -> list[float]:
+        """The cost of a decode of each n = 0..``most`` tokens (0: unused). A size measured at
+        least ``SURE`` times costs what was measured. Any other is estimated from the nearest
+        sizes measured that often: on the line between the largest below and the smallest
+        above, or past the largest, growing from it by the per-token cost measured from one
+        token up to it (at least 5% of a token's step). Past ``DRAFT_MOST + 1`` (sizes only a
+        loop drafts) a size also costs at least that growth: a decode may get cheaper a token
+        past some size (llama.cpp's CPU flash attention takes a tiled kernel from 64 tokens),
+        and the sizes below it are not (see :meth:`best`). A size measured fewer times counts
+        at most as its estimate, so one slow sample does not stop drafting of that length for
+        good."""
+        seconds, samples = self.seconds, self.samples
+        one = seconds[1]
+        sure = sorted(m for m in seconds if m == 1 or samples[m] >= self.SURE)
+        out = [0.0] * (most + 1)
+        i = 0  # sure[i] is the largest sure size up to n
+        for n in range(1, most + 1):
+            while i + 1 < len(sure) and sure[i + 1] <= n:
+                i += 1
+            below = sure[i]
+            if below == n:
+                out[n] = seconds[n]
+                continue
+            slope = (seconds[below] - one) / (below - 1) if below > 1 else 0.0
+            guess = seconds[below] + max(slope, 0.05 * one) * (n - below)
+            if i + 1 < len(sure):
+                above = sure[i + 1]
+                line = seconds[below] + (n - below) / (above - below) * (seconds[above] - seconds[below])
+                guess = max(guess, line) if n > DRAFT_MOST + 1 else line
+            out[n] = min(seconds[n], guess) if n in seconds else guess
+        return out
+
+    def best(self, acceptance: float, most: int, per_draft: float = 0.0,
+             explore: bool = False, run: int = 0) -> tuple[int, float]:
         """The draft length (0..most) with the most expected tokens a second at this per-token
-        acceptance, and that rate as a multiple of decoding one token a step."""
-        one = self.of(1)
+        acceptance, and that rate as a multiple of decoding one token a step.
+
+        A draft going round a loop the text has followed for ``run`` tokens may instead be
+        expected to keep what the rule of succession says: the chance that the loop goes on for
+        j more tokens is (run + 1) / (run + j + 1), whatever the acceptance measured so far.
+
+        With ``explore``, where a draft of ``most`` has never been decoded and would beat one
+        token a step at its estimated cost, ``most`` is returned instead (once: it is measured
+        then), since the estimate of a size past the measured ones is only a guess (on a CPU, a
+        decode of 64 tokens or more can cost far less a token than the sizes below it)."""
+        costs = self.table(most + 1)
+        one = costs[1]
         best, rate = 0, 1.0
         a = min(max(acceptance, 0.0), 0.995)
+        expected, going, looping = 1.0, 1.0, 0.0
         for length in range(1, most + 1):
-            expected = (1 - a ** (length + 1)) / (1 - a)  # 1 + a + a^2 ... + a^length
-            r = expected * one / (self.of(length + 1) + length * per_draft)
+            going *= a  # the chance that this many drafted tokens are all kept
+            if run:
+                looping = (run + 1) / (run + length + 1)
+            expected += max(going, looping)
+            r = expected * one / (costs[length + 1] + length * per_draft)
             if r > rate:
                 best, rate = length, r
+        if explore and best < most and r >= 1.0 and not self.samples.get(most + 1):
+            return most, rate
         return best, rate
 
     def can_pay(self, source: str, most: int) -> bool | None:
@@ -190,11 +240,12 @@ class Speculating:
         self.history: list[int] = []  # prompt and reply so far (the draft model's input)
         self.ngrams: Ngrams | None = None
         self._watch: tuple[int, int, int] | None = None  # a paused step's (match, where, first token)
+        self._step: list[int] | None = None  # a draft being checked: [drafted, kept so far, match]
 
     def _start(self, match: int) -> list[float]:
         """The prior as counts: the engine's for a draft model, and for an n-gram match one that
         trusts a longer match more (0.5 for 2 tokens, 0.8 for 8)."""
-        prior = self._prior if not match else min(0.9, 0.4 + 0.05 * match)
+        prior = self._prior if not match else 0.8 if match == LOOP else min(0.9, 0.4 + 0.05 * match)
         return [2 * prior, 2 * (1 - prior)]
 
     def acceptance(self, match: int = 0) -> float:
@@ -207,10 +258,12 @@ class Speculating:
         missed = sum(m for _, m in self._counts.values())
         return kept / (kept + missed) if kept + missed else self._prior
 
-    def length(self, costs: Costs, found: int, match: int, adaptive: bool = True, first: int | None = None) -> int:
+    def length(self, costs: Costs, found: int, match: int, adaptive: bool = True, first: int | None = None,
+               most: int | None = None, loop: int = 0) -> int:
         """How many of the ``found`` tokens prompt lookup proposed (a match of ``match`` tokens,
         beginning with ``first``) to draft this step: as far as the measured costs and acceptance
-        say it pays (all of them when not ``adaptive``); 0: it does not pay.
+        say it pays (all of them when not ``adaptive``); 0: it does not pay. A proposal as long as
+        the step allows (``most``) may be drafted whole once to measure that size (``Costs.best``).
 
         A step that does not pay still learns: the proposal's first token is compared with the
         token the step draws (the next time this is called) and counted in the match length's
@@ -222,7 +275,10 @@ class Speculating:
             self._count(watched[0], 1, int(self.history[watched[1]] == watched[2]))
         if not adaptive:
             return found
-        length = costs.best(self.acceptance(match), found)[0]
+        if not loop:
+            found = min(found, DRAFT_MOST)
+        length = costs.best(self.acceptance(match), found, explore=bool(loop) and most is not None and found >= most,
+                            run=loop)[0]
         if not length and first is not None:
             self._watch = (match, len(self.history), first)
         return length
@@ -245,7 +301,24 @@ class Speculating:
         if not kept:
             self.probe_every = min(PROBE_MOST, 2 * self.probe_every)
 
+    def checking(self, drafted: int, match: int = 0) -> None:
+        """A draft of ``drafted`` tokens is being checked: its rows are drawn one by one (``keep``
+        for each drafted token drawn), and the reply may end on any of them (``settle``)."""
+        self._step = [drafted, 0, match]
+
+    def keep(self) -> None:
+        if self._step is not None:
+            self._step[1] += 1
+
+    def settle(self) -> None:
+        """The draft being checked is done: counted (also when the reply ended on one of its rows,
+        before its report is made)."""
+        if self._step is not None:
+            drafted, kept, match = self._step
+            self.checked(drafted, kept, match)
+
     def checked(self, drafted: int, kept: int, match: int = 0) -> None:
+        self._step = None
         self.drafted += drafted
         self.accepted += kept
         self.verified += 1
@@ -260,6 +333,7 @@ class Speculating:
         counts[1] = 0.9 * counts[1] + (1 if kept < drafted else 0)
 
     def report(self, cannot_pay: bool) -> dict[str, Any]:
+        self.settle()
         state, reason = self.state, self.reason
         if state is None:
             if self.drafted:
@@ -364,8 +438,8 @@ class DraftModel:
             if top < DRAFT_P_MIN and out:
                 break
             out.append(token)
-            if len(out) >= most or top < DRAFT_P_MIN:
-                break
+            if len(out) >= most or top < DRAFT_P_MIN or llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, token):
+                break  # (nothing after an end of generation is kept)
             step = time.perf_counter()
             if not self._decode([token], last_logits=True):
                 break

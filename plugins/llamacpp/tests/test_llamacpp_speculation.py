@@ -107,6 +107,8 @@ def test_the_quote_speculates_and_counts_add_up(client: openai.OpenAI) -> None:
     text, report, reply = chat(client, PROMPTS[0], "ngram")
     assert report["state"] == "on" and report["reason"] is None
     assert report["drafted"] >= report["accepted"] > 10
+    # the quote is drafted from the passage up to its end: the step the reply ends on counts too
+    assert report["accepted"] >= 0.8 * reply.usage.completion_tokens, (report, reply.usage)
     full, full_report, full_reply = chat(client, PROMPTS[0], "draft")
     assert full == text and full_report["state"] == "on" and full_report["reason"] == "draft-on-cpu"
     # a draft model that is the model itself is kept (nearly) every time it is confident
@@ -248,6 +250,19 @@ def test_prompt_lookup_in_a_loop_drafts_its_next_turns() -> None:
     # the text so far, then its start again: it goes on as it went the first time, and around
     assert Ngrams([1, 2, 3, 4, 5, 6, 1, 2]).draft(9) == ([3, 4, 5, 6, 1, 2, 3, 4, 5], 2)
     assert Ngrams([1, 2, 3, 4, 5, 6, 7, 1, 2]).draft(3) == ([3, 4, 5], 2)  # a continuation long enough
+    # how far the text already goes round the loop: the tokens equal to the one a period back
+    ngrams = Ngrams([8, 1, 2, 3, 1, 2, 3, 1, 2])
+    ngrams.draft(7)
+    assert ngrams.loop == 5
+    ngrams.extend([3, 1])
+    ngrams.draft(7)
+    assert ngrams.loop == 7
+    copying = Ngrams([1, 2, 3, 4, 5, 6, 7, 1, 2])
+    copying.draft(3)
+    assert copying.loop == 0  # a copy of earlier text, not a loop
+    starting = Ngrams([1, 2, 3, 4, 5, 6, 1, 2])
+    starting.draft(9)
+    assert starting.loop == 0  # its draft goes round, but the text has not gone round once yet
 
 def test_drafting_goes_as_far_as_the_measured_costs_pay() -> None:
     costs = plugin_module("llamacpp", "speculation").Costs()
@@ -266,6 +281,53 @@ def test_drafting_goes_as_far_as_the_measured_costs_pay() -> None:
         for n in range(2, 6):
             costs.add(n, 0.010 * n)
     assert costs.best(0.9, 4)[0] == 0 and costs.can_pay("ngram", 4) is False
+
+
+def _cpu_like(S: Any, sizes: range) -> Any:
+    """Costs measured on a CPU where a checked row costs 0.35 of a step."""
+    costs = S.Costs()
+    for _ in range(3):
+        for n in sizes:
+            costs.add(n, 0.010 + 0.0035 * (n - 1))
+    return costs
+
+
+def test_a_size_past_the_measured_ones_is_tried_once_going_round_a_loop() -> None:
+    """A decode can get cheaper a row past some size (llama.cpp's CPU flash attention takes a
+    tiled kernel from 64 rows): a loop tries the longest draft allowed once where it would beat
+    one-token steps at its estimated cost, then drafts it while it measures cheap, and a size
+    only a loop drafts is never taken to be cheaper than the rows below it grow."""
+    S = plugin_module("llamacpp", "speculation")
+    costs = _cpu_like(S, range(1, 28))
+    assert costs.best(0.995, 63)[0] == 26  # the 64-row step's cost is extrapolated: it does not pay
+    assert costs.best(0.995, 63, explore=True)[0] == 63  # never decoded: tried
+    assert costs.best(0.995, 26, explore=True)[0] == 26  # nothing longer is allowed
+    assert costs.best(0.5, 63, explore=True)[0] < 63  # it would not even beat one-token steps
+    costs.add(64, 0.17)  # a quarter less a row than the rows below
+    assert costs.best(0.995, 63)[0] == 63
+    assert costs.of(40) >= costs.of(17) + 0.0035 * 23 * 0.99  # not interpolated toward the cheap size
+    assert costs.best(0.9, 63)[0] < 16  # at a copy's acceptance it still does not pay
+    slow = _cpu_like(S, range(1, 28))
+    slow.add(64, 1.0)  # tried and slower than the estimate
+    assert slow.best(0.995, 63, explore=True)[0] == 26  # not tried again
+
+
+def test_a_loop_drafts_further_the_longer_the_text_has_followed_it() -> None:
+    """Going round a loop, a draft may expect what the rule of succession says of the tokens the
+    text has followed it for; a copy of earlier text drafts at most DRAFT_MOST a step."""
+    S = plugin_module("llamacpp", "speculation")
+    costs = _cpu_like(S, range(1, 65))
+    assert [costs.best(0.8, 63, run=run)[0] for run in (0, 4, 30, 200)] == [3, 4, 10, 27]
+    state = S.Speculating("ngram", 0.6)
+    state.history = [1, 2, 3]
+    for _ in range(20):
+        state.checked(16, 16, 8)  # copies kept whole so far
+    cheap = _cpu_like(S, range(1, 2))
+    for _ in range(3):
+        cheap.add(64, 0.020)  # rows nearly free at every size measured: drafting as far as allowed pays
+        cheap.add(17, 0.015)
+    assert state.length(cheap, 63, 8, first=7, most=63) == S.DRAFT_MOST
+    assert state.length(cheap, 63, 8, first=7, most=63, loop=30) == 63
 
 
 def test_a_paused_step_learns_from_the_token_it_draws() -> None:
