@@ -150,11 +150,11 @@ class Costs:
         sizes measured that often: on the line between the largest below and the smallest
         above, or past the largest, growing from it by the per-token cost measured from one
         token up to it (at least 5% of a token's step). Past ``DRAFT_MOST + 1`` (sizes only a
-        loop drafts) a size also costs at least that growth: a decode may get cheaper a token
-        past some size (llama.cpp's CPU flash attention takes a tiled kernel from 64 tokens),
-        and the sizes below it are not (see :meth:`best`). A size measured fewer times counts
-        at most as its estimate, so one slow sample does not stop drafting of that length for
-        good."""
+        loop drafts) a size between two measured ones also costs at least that growth: a
+        decode may get cheaper a token from some size on (llama.cpp's CPU flash attention takes
+        a tiled kernel from 64 tokens), and a size below that one does not (see :meth:`best`).
+        A size measured fewer times counts at most as its estimate, so one slow sample does not
+        stop drafting of that length for good."""
         seconds, samples = self.seconds, self.samples
         one = seconds[1]
         sure = sorted(m for m in seconds if m == 1 or samples[m] >= self.SURE)
@@ -262,8 +262,10 @@ class Speculating:
                most: int | None = None, loop: int = 0) -> int:
         """How many of the ``found`` tokens prompt lookup proposed (a match of ``match`` tokens,
         beginning with ``first``) to draft this step: as far as the measured costs and acceptance
-        say it pays (all of them when not ``adaptive``); 0: it does not pay. A proposal as long as
-        the step allows (``most``) may be drafted whole once to measure that size (``Costs.best``).
+        say it pays (all of them when not ``adaptive``); 0: it does not pay. A copy drafts at most
+        ``DRAFT_MOST``; a proposal going round a loop the text has followed for ``loop`` tokens
+        (``Ngrams.loop``) up to ``most``, the most the step allows, and whole once to measure
+        that size (``Costs.best``).
 
         A step that does not pay still learns: the proposal's first token is compared with the
         token the step draws (the next time this is called) and counted in the match length's
@@ -277,8 +279,8 @@ class Speculating:
             return found
         if not loop:
             found = min(found, DRAFT_MOST)
-        length = costs.best(self.acceptance(match), found, explore=bool(loop) and most is not None and found >= most,
-                            run=loop)[0]
+        explore = bool(loop) and most is not None and found >= most
+        length = costs.best(self.acceptance(match), found, explore=explore, run=loop)[0]
         if not length and first is not None:
             self._watch = (match, len(self.history), first)
         return length
