@@ -117,6 +117,22 @@ def greedy(llm: Any, prompt: list[int], most: int) -> tuple[list[int], bool]:
 PASSES = 3
 
 
+def timed_decode(ctx: Any, batch: Any, tokens: Sequence[int], pos: int, all_logits: bool) -> float:
+    """Seconds of one ``llama_decode`` of ``tokens`` at positions ``pos``.. of sequence 0: every
+    row's logits, or only the last row's."""
+    import llama_cpp
+
+    for i, token in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos + i, 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = all_logits or i == len(tokens) - 1
+    batch.n_tokens = len(tokens)
+    started = time.perf_counter()
+    if llama_cpp.llama_decode(ctx, batch) != 0:
+        raise RuntimeError("llama_decode failed")
+    return time.perf_counter() - started
+
+
 def step_costs(llm: Any, most: int, at: int, reps: int) -> dict[int, float]:
     """Seconds of a decode of n rows (every row's logits) after ``at`` tokens, n = 1..most: the
     median of ``reps`` decodes in a row, in each of PASSES passes over the sizes."""
@@ -128,15 +144,7 @@ def step_costs(llm: Any, most: int, at: int, reps: int) -> dict[int, float]:
     batch = llama_cpp.llama_batch_init(max(512, most), 0, 1)
 
     def decode(tokens: Sequence[int], pos: int, all_logits: bool) -> float:
-        for i, token in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos + i, 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = all_logits or i == len(tokens) - 1
-        batch.n_tokens = len(tokens)
-        started = time.perf_counter()
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-        return time.perf_counter() - started
+        return timed_decode(ctx, batch, tokens, pos, all_logits)
 
     try:
         llama_cpp.llama_memory_clear(memory, True)
