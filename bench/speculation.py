@@ -232,7 +232,9 @@ def stream(client: httpx.Client, prompt: str, args: argparse.Namespace, model: s
     elif timings is not None and "draft_n" in timings:  # llama-server's
         drafted, accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
     return {"tokens": tokens, "text": "".join(pieces), "ttft_ms": (first - sent) * 1000 if first else float("nan"),
-            "tok_s": tokens / (last - sent) if last else float("nan"), "drafted": drafted, "accepted": accepted,
+            "tok_s": tokens / (last - sent) if last else float("nan"),
+            "decode_tok_s": (tokens - 1) / (last - first) if first is not None and last > first else float("nan"),
+            "drafted": drafted, "accepted": accepted,
             "speculation": spec, "prompt_tokens": usage.get("prompt_tokens")}
 
 
