@@ -49,6 +49,13 @@ Policies:
 The figures are the policies' relative speeds on identical replies; the absolute tokens/s of a
 server is lower (its event loop, the prompt) and, with drafting on, its replies differ (see
 bench/README.md, "speculation.py").
+
+With ``--replies``, a last table puts the prompt back: ``speculation.py``'s ratios are end to
+end, and its prompts are read on every request, with drafting or without. For each reply of
+``localm off`` that run timed, the request's time is taken as its time to the first token (the
+prompt's reading, as timed) plus its decoding (the rest, as timed) sped up by a policy's
+replayed ratio over off on that reply. The oracle's line there is the most any prompt-lookup
+rule could show in ``speculation.py`` on this machine.
 """
 
 from __future__ import annotations
@@ -162,9 +169,12 @@ def step_costs(llm: Any, most: int, at: int, reps: int) -> dict[int, float]:
     return {n: statistics.median(values) for n, values in samples.items()}
 
 
-def written(llm: Any, path: Path, tasks: list[str], max_tokens: int) -> list[tuple[str, list[int], list[int], bool]]:
+def written(llm: Any, path: Path, tasks: list[str], max_tokens: int,
+            measured: dict[str, tuple[float, float]]) -> list[tuple[str, list[int], list[int], bool]]:
     """The replies of a speculation.py ``--keep`` run, tokenized again, named task, prompt, round and
-    the configuration that wrote them (a reply shorter than max_tokens ended by itself)."""
+    the configuration that wrote them (a reply shorter than max_tokens ended by itself). For each
+    reply of ``localm off`` the run timed, ``measured`` gets its seconds to the first token (the
+    prompt's reading) and to the last."""
     import json
 
     try:
@@ -178,8 +188,10 @@ def written(llm: Any, path: Path, tasks: list[str], max_tokens: int) -> list[tup
                 prompt = prompt_tokens(llm, TASKS[task][row["prompt_index"]])
                 reply = llm.tokenize(row["text"].encode(), add_bos=False, special=False)[:max_tokens]
                 label = config.replace("llama-server", "ls").replace("localm", "lm").replace(" ", "-")
-                found.append((f"{task}{row['prompt_index']}r{row['round'] + 1}:{label}", prompt, reply,
-                              row["tokens"] < max_tokens))
+                name = f"{task}{row['prompt_index']}r{row['round'] + 1}:{label}"
+                found.append((name, prompt, reply, row["tokens"] < max_tokens))
+                if config == "localm off" and row.get("ttft_ms") and row.get("tok_s"):
+                    measured[name] = (row["ttft_ms"] / 1000, row["tokens"] / row["tok_s"])
     if not found:
         sys.exit(f"{path} holds no replies of the tasks {', '.join(tasks)}")
     return found
@@ -387,8 +399,9 @@ def main() -> None:
     print(f"model: {model.name}, {args.threads} threads, replies of up to {args.max_tokens} tokens, greedy", flush=True)
 
     replies: list[tuple[str, list[int], list[int], bool]] = []
+    measured: dict[str, tuple[float, float]] = {}
     if args.replies is not None:
-        replies = written(llm, args.replies, tasks, args.max_tokens)
+        replies = written(llm, args.replies, tasks, args.max_tokens, measured)
     else:
         for task in tasks:
             for k, text in enumerate(TASKS[task]):
@@ -439,6 +452,24 @@ def main() -> None:
                 part += f", {means[policy.name][t] / means[simple][t]:.2f}x ngram-simple"
             parts.append(part)
         print(f"  {policy.name}: " + "; ".join(parts))
+    if measured:
+        # speculation.py's ratios are end to end: the prompt's reading, the same with drafting or
+        # without, is in them. Each timed reply of localm off, with its decoding sped up by the
+        # replayed ratio of a policy, and its prompt read as long as the run took.
+        print("\nend to end, as speculation.py measures (localm off's timed replies: their prompt's reading as "
+              "timed, their decoding at each policy's replayed speed; mean of the replies)")
+        for t in tasks:
+            timed = [n for n in measured if n.startswith(t)]
+            if not timed:
+                continue
+            reading = statistics.mean(measured[n][0] / measured[n][1] for n in timed)
+            parts = []
+            for policy in policies[1:]:
+                ratios = [total / (first + (total - first) * speeds["off"][n] / speeds[policy.name][n])
+                          for n in timed for first, total in [measured[n]]]
+                parts.append(f"{short[policy.name]} {statistics.mean(ratios):.2f}x")
+            print(f"  {t} ({len(timed)} replies, prompt reading {reading:.0%} of the time): " + ", ".join(parts)
+                  + " off")
     print(f"\n(replay took {time.monotonic() - t0:.0f} s)")
 
 
